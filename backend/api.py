@@ -1,0 +1,86 @@
+"""The plain-data half of the engine's public surface (no MLX import).
+
+The desktop worker, the terminal chat, the local server and the benchmarks all talk to the
+engine with these dataclasses, so code on the Qt side can build requests and read events without
+importing MLX. ``backend.engine.Engine.generate(request, cancel)`` yields ``TokenEvent`` for every
+token and exactly one ``DoneEvent`` last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to turn logits into the next token. ``temperature == 0`` means greedy (argmax).
+
+    top_k = 0, top_p = 1.0 and min_p = 0.0 disable those filters; penalties of 1.0 (repetition)
+    or 0.0 (presence, frequency) are off. Penalties look at the last ``penalty_window`` tokens of
+    prompt + output. ``seed`` makes sampling reproducible.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_window: int = 64
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation. Give either ``messages`` (rendered with the model's chat template) or
+    ``prompt_ids`` (fed as-is, no template). ``max_tokens`` counts generated tokens."""
+
+    messages: list[Message] | None = None
+    prompt_ids: list[int] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 512
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token. ``text`` is the newly printable text (may be empty while a multi-byte
+    character is incomplete, or while text that may start a stop string is held back)."""
+
+    text: str
+    token_id: int
+    from_draft: bool = False
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """The last event of every generation, with its statistics."""
+
+    text: str  # the whole reply, stop string excluded
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    ttft_s: float  # request start -> first token available
+    prefill_tps: float
+    decode_tps: float
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the UI shows about a loaded model."""
+
+    name: str
+    architecture: str  # config model_type, e.g. "llama"
+    dtype: str  # compute dtype, e.g. "float32"
+    quantization: str | None  # e.g. "4-bit g32" or None
+    context_length: int
+    parameter_bytes: int
