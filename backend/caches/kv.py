@@ -1,0 +1,243 @@
+"""KVCache: full-attention keys/values in a growing buffer, with lazy snapshots.
+
+Storage is logical order: slot i holds position i, so attention takes MLX's fused causal and
+no-mask paths. The buffer grows in ``STEP``-token blocks so decode appends in place.
+
+Lazy snapshots: a ``KVSnapshot`` taken from the live cache is only an index range ``[start,
+end)``; it owns no memory while the live buffer still holds those positions unchanged. Before a
+write would overwrite part of a lazy range (a write at an offset below ``end``, i.e. after a
+rewind) and when the cache is freed, the cache copies the range out into a compact array of its
+own (``mx.contiguous`` allocates exactly the slice: a test pins that the big buffer is released).
+This makes speculative rejection free: rewinding is an offset move and nothing is copied unless
+the rejected slots are actually rewritten while a snapshot still needs them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from backend.caches.base import SnapshotSchedule
+
+STEP = 256
+
+
+class ContiguousHistory:
+    """KV history whose slot i is logical position i (so no position map is needed)."""
+
+    __slots__ = ("keys", "values", "query_start", "num_queries")
+
+    def __init__(self, keys: mx.array, values: mx.array, query_start: int, num_queries: int):
+        self.keys = keys
+        self.values = values
+        self.query_start = query_start
+        self.num_queries = num_queries
+
+    def key_positions(self) -> mx.array | None:
+        return None
+
+
+class KVSnapshot:
+    """Keys/values of positions ``[start, end)``: lazy (a range of ``owner``) or owned arrays."""
+
+    def __init__(self, owner: "KVCache | None", start: int, end: int,
+                 keys: mx.array | None = None, values: mx.array | None = None):
+        self.start = start
+        self.end = end
+        self._owner = owner
+        self._keys = keys
+        self._values = values
+
+    @property
+    def is_lazy(self) -> bool:
+        return self._owner is not None
+
+    @property
+    def nbytes(self) -> int:
+        if self._keys is None:
+            return 0
+        return self._keys.nbytes + self._values.nbytes
+
+    def arrays(self) -> tuple[mx.array, mx.array]:
+        """Keys and values ``(B, H, end - start, D)``; for a lazy snapshot these are views."""
+        if self._owner is not None:
+            return self._owner._range(self.start, self.end)
+        if self._keys is None:
+            raise ValueError(f"snapshot [{self.start}, {self.end}) was closed")
+        return self._keys, self._values
+
+    def _copy_out(self) -> None:
+        keys, values = self._owner._range(self.start, self.end)
+        self._keys, self._values = mx.contiguous(keys), mx.contiguous(values)
+        mx.eval(self._keys, self._values)
+        self._owner = None
+
+    def close(self) -> None:
+        if self._owner is not None:
+            self._owner._forget(self)
+        self._owner = None
+        self._keys = self._values = None
+
+
+class KVCache:
+    """Full-attention cache; see the module docstring and ``caches.base`` for the contract."""
+
+    can_rewind = True
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None  # (B, H, capacity, D)
+        self.values: mx.array | None = None
+        self._offset = 0
+        self._lazy: list[KVSnapshot] = []
+        self._schedule = SnapshotSchedule()
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+    def arrays(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+    def _range(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        return self.keys[..., start:end, :], self.values[..., start:end, :]
+
+    def _forget(self, snapshot: KVSnapshot) -> None:
+        self._lazy = [s for s in self._lazy if s is not snapshot]
+
+    def _protect_from(self, position: int) -> None:
+        """Copy out every lazy snapshot that a write starting at ``position`` would overwrite."""
+        keep = []
+        for snap in self._lazy:
+            if snap.end > position:
+                snap._copy_out()
+            else:
+                keep.append(snap)
+        self._lazy = keep
+
+    # -- writing -------------------------------------------------------------------------------
+    def _reserve(self, keys: mx.array, values: mx.array, needed: int) -> None:
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        if needed <= capacity:
+            return
+        blocks = (needed - capacity + STEP - 1) // STEP
+        b, h, _, dk = keys.shape
+        dv = values.shape[3]
+        grow_k = mx.zeros((b, h, blocks * STEP, dk), keys.dtype)
+        grow_v = mx.zeros((b, h, blocks * STEP, dv), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = grow_k, grow_v
+        else:
+            self.keys = mx.concatenate([self.keys, grow_k], axis=2)
+            self.values = mx.concatenate([self.values, grow_v], axis=2)
+
+    def update(self, keys: mx.array, values: mx.array) -> ContiguousHistory:
+        """Append ``keys``/``values`` ``(B, H, N, D)`` at the current offset."""
+        start, n = self._offset, keys.shape[2]
+        if self._lazy:
+            self._protect_from(start)
+        self._reserve(keys, values, start + n)
+        self.keys[..., start:start + n, :] = keys
+        self.values[..., start:start + n, :] = values
+        self._offset = start + n
+        self._capture_due(start, self._offset)
+        return ContiguousHistory(self.keys[..., : self._offset, :],
+                                 self.values[..., : self._offset, :], start, n)
+
+    # -- snapshots -----------------------------------------------------------------------------
+    def _lazy_snapshot(self, start: int, end: int) -> KVSnapshot:
+        snap = KVSnapshot(self, start, end)
+        self._lazy.append(snap)
+        return snap
+
+    def _capture_due(self, old: int, new: int) -> None:
+        for offset in self._schedule.due(old, new):
+            snap = self._lazy_snapshot(self._schedule.segment_start(), offset)
+            self._schedule.mark_taken(offset, snap)
+
+    def prepare_snapshots(self, offsets: Sequence[int]) -> None:
+        self._schedule.prepare(offsets, self._offset)
+        self._capture_due(self._offset, self._offset)  # an offset equal to the current one
+
+    def take_snapshots(self) -> list[KVSnapshot]:
+        return self._schedule.take()
+
+    def snapshot(self, start: int, end: int | None = None) -> KVSnapshot:
+        """A lazy snapshot of ``[start, end)`` of the live state (``end`` defaults to offset)."""
+        end = self._offset if end is None else end
+        if not 0 <= start <= end <= self._offset:
+            raise ValueError(f"snapshot range [{start}, {end}) outside [0, {self._offset})")
+        return self._lazy_snapshot(start, end)
+
+    def restore(self, snapshot: KVSnapshot | None, target: int) -> bool:
+        if target < 0:
+            raise ValueError(f"restore target {target} is negative")
+        if snapshot is None:
+            if target > self._offset:
+                raise ValueError(f"cannot rewind forward: target {target} > offset {self._offset}")
+            self._offset = target
+            return True
+        if not isinstance(snapshot, KVSnapshot):
+            raise TypeError(f"KVCache cannot restore a {type(snapshot).__name__}")
+        if not snapshot.start < target <= snapshot.end and target != snapshot.start:
+            raise ValueError(
+                f"target {target} outside snapshot range [{snapshot.start}, {snapshot.end}]")
+        if snapshot.start > self._offset:
+            return False  # the prefix before the snapshot is not in the live cache
+        if snapshot._owner is self:
+            # Still lazy here: the live buffer holds exactly these positions; move the offset.
+            self._offset = target
+            return True
+        self._offset = snapshot.start
+        if target > snapshot.start:
+            keys, values = snapshot.arrays()
+            n = target - snapshot.start
+            self.update(keys[..., :n, :], values[..., :n, :])
+        return True
+
+    def merge(self, first: KVSnapshot, second: KVSnapshot) -> KVSnapshot:
+        if first.end != second.start:
+            raise ValueError(f"snapshots [{first.start}, {first.end}) and "
+                             f"[{second.start}, {second.end}) are not adjacent")
+        if first._owner is not None and first._owner is second._owner:
+            merged = first._owner._lazy_snapshot(first.start, second.end)
+        else:
+            k1, v1 = first.arrays()
+            k2, v2 = second.arrays()
+            keys = mx.concatenate([k1, k2], axis=2)
+            values = mx.concatenate([v1, v2], axis=2)
+            mx.eval(keys, values)
+            merged = KVSnapshot(None, first.start, second.end, keys, values)
+        first.close()
+        second.close()
+        return merged
+
+    def split(self, snapshot: KVSnapshot, at: int) -> tuple[KVSnapshot, KVSnapshot]:
+        if not snapshot.start < at < snapshot.end:
+            raise ValueError(f"split point {at} not inside [{snapshot.start}, {snapshot.end})")
+        if snapshot._owner is not None:
+            owner = snapshot._owner
+            parts = owner._lazy_snapshot(snapshot.start, at), owner._lazy_snapshot(at, snapshot.end)
+        else:
+            keys, values = snapshot.arrays()
+            cut = at - snapshot.start
+            k1, v1 = mx.contiguous(keys[..., :cut, :]), mx.contiguous(values[..., :cut, :])
+            k2, v2 = mx.contiguous(keys[..., cut:, :]), mx.contiguous(values[..., cut:, :])
+            mx.eval(k1, v1, k2, v2)
+            parts = (KVSnapshot(None, snapshot.start, at, k1, v1),
+                     KVSnapshot(None, at, snapshot.end, k2, v2))
+        snapshot.close()
+        return parts
+
+    def free(self) -> None:
+        """Release the live buffer, first copying out every lazy snapshot that still needs it."""
+        self._protect_from(0)
+        self.keys = self.values = None
+        self._offset = 0

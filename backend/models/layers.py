@@ -1,0 +1,97 @@
+"""Building blocks shared by every architecture: attention, gated MLP, norms.
+
+Attention owns its projections, optional per-head q/k norms and RoPE, and talks to its cache only
+through ``cache.update(...) -> KVHistory`` and the shared SDPA helper (DESIGN.md seam 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from backend.caches.attention import scaled_dot_product_attention
+from backend.caches.base import CAUSAL, AttentionMask, Cache
+from backend.models.rope import RoPE
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; ``offset=1`` gives the Gemma form that scales by (1 + weight)."""
+
+    def __init__(self, dims: int, eps: float = 1e-6, offset: float = 0.0):
+        super().__init__()
+        self.weight = mx.zeros((dims,)) if offset else mx.ones((dims,))
+        self.eps = eps
+        self.offset = offset
+
+    def __call__(self, x: mx.array) -> mx.array:
+        weight = self.weight + self.offset if self.offset else self.weight
+        return mx.fast.rms_norm(x, weight, self.eps)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) — SwiGLU (silu) or GeGLU (gelu_tanh)."""
+
+    def __init__(self, dims: int, hidden: int, bias: bool = False, activation: str = "silu"):
+        super().__init__()
+        self.gate_proj = nn.Linear(dims, hidden, bias=bias)
+        self.up_proj = nn.Linear(dims, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dims, bias=bias)
+        self.activation = ACTIVATIONS[activation]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+
+
+ACTIVATIONS = {
+    "silu": nn.silu,
+    "gelu_pytorch_tanh": nn.gelu_approx,
+    "gelu_tanh": nn.gelu_approx,
+    "gelu": nn.gelu,
+}
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False
+    out_bias: bool = False
+    qk_norm_eps: float | None = None  # per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm_offset: float = 0.0
+    scale: float | None = None  # defaults to head_dim ** -0.5
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: AttentionShape, rope: RoPE, mask: AttentionMask = CAUSAL):
+        super().__init__()
+        s = shape
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        self.scale = s.scale if s.scale is not None else s.head_dim ** -0.5
+        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.out_bias)
+        if s.qk_norm_eps is not None:
+            self.q_norm = RMSNorm(s.head_dim, s.qk_norm_eps, s.qk_norm_offset)
+            self.k_norm = RMSNorm(s.head_dim, s.qk_norm_eps, s.qk_norm_offset)
+        self.has_qk_norm = s.qk_norm_eps is not None
+        self.rope = rope
+        self.mask = mask
+
+    def __call__(self, x: mx.array, cache: Cache) -> mx.array:
+        b, n, _ = x.shape  # x: (B, N, hidden)
+        q = self.q_proj(x).reshape(b, n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (B, heads, N, D)
+        offset = cache.offset
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        history = cache.update(k, v)
+        out = scaled_dot_product_attention(q, history, self.mask, self.scale)  # (B, H, N, D)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))

@@ -1,0 +1,126 @@
+"""Llama-style decoders: Llama (incl. llama3 / linear / yarn RoPE), Mistral, Qwen2, Qwen3.
+
+They differ only in a few switches, so one module covers them: Qwen2 adds q/k/v biases, Qwen3
+adds a per-head RMSNorm on q and k, Mistral (and Qwen2 with ``use_sliding_window``) may restrict
+attention to a sliding window. Embeddings are tied or not per ``tie_word_embeddings``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from backend.caches.base import CAUSAL, Cache, sliding_window
+from backend.caches.kv import KVCache
+from backend.models.base import args_from_config
+from backend.models.layers import Attention, AttentionShape, GatedMLP, RMSNorm
+from backend.models.rope import RoPE, RopeSettings, rope_settings
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    use_sliding_window: bool = True
+    rope: RopeSettings = field(default_factory=lambda: RopeSettings(10000.0))
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ModelArgs":
+        theta_default = 1000000.0 if config.get("model_type", "").startswith("qwen") else 10000.0
+        args = args_from_config(cls, config, rope=rope_settings(config, theta_default))
+        if args.num_key_value_heads is None:
+            args.num_key_value_heads = args.num_attention_heads
+        if args.head_dim is None:
+            args.head_dim = args.hidden_size // args.num_attention_heads
+        if args.model_type == "qwen2":
+            args.attention_bias = True  # Qwen2 always has q/k/v biases
+            if not config.get("use_sliding_window", False):
+                args.sliding_window = None
+        if args.model_type == "qwen3":
+            args.sliding_window = None if not config.get("use_sliding_window") else args.sliding_window
+        return args
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        shape = AttentionShape(
+            hidden_size=args.hidden_size,
+            num_heads=args.num_attention_heads,
+            num_kv_heads=args.num_key_value_heads,
+            head_dim=args.head_dim,
+            qkv_bias=args.attention_bias,
+            out_bias=args.attention_bias and args.model_type not in ("qwen2",),
+            qk_norm_eps=args.rms_norm_eps if args.model_type == "qwen3" else None,
+        )
+        mask = sliding_window(args.sliding_window) if args.sliding_window else CAUSAL
+        self.self_attn = Attention(shape, RoPE(args.head_dim, args.rope), mask)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size, args.mlp_bias,
+                            args.hidden_act)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: Cache) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+        h = self.embed_tokens(tokens)  # (B, N, hidden)
+        for layer, cache in zip(self.layers, caches):
+            h = layer(h, cache)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+        return self.logits(self.hidden(tokens, caches))
+
+    def hidden(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+        """Final normed hidden states (B, N, hidden); prefill chunks stop here (no logits)."""
+        return self.model(tokens, caches)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    def make_caches(self) -> list[Cache]:
+        return [KVCache() for _ in self.model.layers]
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return weights

@@ -1,0 +1,179 @@
+"""Load a Hugging Face style model folder into an MLX model.
+
+A folder holds ``config.json`` and one or more ``*.safetensors`` files (sharded with
+``model.safetensors.index.json`` or not), optionally quantized in the mlx-community layout
+(``quantization`` block in config; ``.scales``/``.biases`` beside packed weights).
+
+Compute dtype: float32 on the CPU, where MLX's bf16/f16 matmuls and quantized matmuls with
+reduced-precision scales are many times slower; bfloat16 on a GPU (float16 checkpoints keep
+float16). On the CPU, quantized weights are dequantized to float32 at load time when the result
+fits comfortably in memory (``ARBOR_DEQUANTIZE_LIMIT`` bytes, default 8 GiB), because that is
+the fastest compute path there; otherwise they stay quantized with float32 scales.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from backend.errors import ModelLoadError, UnknownArchitectureError
+from backend.models import ARCHITECTURES
+
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: dict
+    folder: Path
+    dtype: mx.Dtype
+    quantization: dict | None  # as in config, when the weights stay quantized
+    source_quantization: dict | None  # what the checkpoint had
+
+    @property
+    def parameter_bytes(self) -> int:
+        from mlx.utils import tree_flatten
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{folder}: no config.json (not a model folder)")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path}: invalid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return config
+
+
+def check_safetensors(path: Path) -> None:
+    """Cheap integrity check: the header parses and the data it describes is all there."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len > size - 8:
+                raise ValueError("header longer than file")
+            header = json.loads(f.read(header_len))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
+                  default=0)
+    except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise ModelLoadError(f"{path}: corrupt safetensors header") from None
+    if 8 + header_len + end > size:
+        raise ModelLoadError(
+            f"{path}: truncated safetensors file ({size} bytes, header promises "
+            f"{8 + header_len + end})")
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelLoadError(f"{index}: invalid index ({exc})") from None
+        files = [folder / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{folder}: missing weight shards {missing}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors weight files")
+    return files
+
+
+def default_dtype(config: dict) -> mx.Dtype:
+    if mx.default_device() == mx.cpu:
+        return mx.float32
+    source = config.get("torch_dtype") or config.get("dtype")
+    return mx.float16 if source == "float16" else mx.bfloat16
+
+
+def _dequantize_all(weights: dict[str, mx.array], quant: dict, dtype: mx.Dtype) -> dict:
+    out = dict(weights)
+    for key in [k for k in weights if k.endswith(".scales")]:
+        prefix = key[: -len(".scales")]
+        spec = quant.get(prefix, quant)
+        w = mx.dequantize(weights[prefix + ".weight"], weights[key].astype(mx.float32),
+                          weights[prefix + ".biases"].astype(mx.float32),
+                          spec.get("group_size", 64), spec.get("bits", 4))
+        out[prefix + ".weight"] = w.astype(dtype)
+        del out[key], out[prefix + ".biases"]
+    return out
+
+
+def _should_dequantize(weights: dict[str, mx.array]) -> bool:
+    if mx.default_device() != mx.cpu:
+        return False
+    limit = int(os.environ.get("ARBOR_DEQUANTIZE_LIMIT", 8 << 30))
+    estimate = 0
+    for k, w in weights.items():
+        estimate += w.size * 4 * (32 // 4) if w.dtype == mx.uint32 else w.size * 4
+    return estimate <= limit
+
+
+def load_model(folder: str | Path, dtype: str | None = None) -> LoadedModel:
+    """Load ``folder``; every user-caused failure is a one-line ``ModelLoadError``."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelLoadError(f"{folder}: not a model folder")
+    config = read_config(folder)
+    model_type = config.get("model_type")
+    module = ARCHITECTURES.get(model_type)
+    if module is None:
+        raise UnknownArchitectureError(
+            f"{folder}: unknown architecture model_type={model_type!r} "
+            f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    try:
+        args = module.ModelArgs.from_config(config)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"{folder}/config.json: invalid value ({exc})") from None
+    if dtype is not None and dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    compute = DTYPES[dtype] if dtype else default_dtype(config)
+
+    weights: dict[str, mx.array] = {}
+    for path in weight_files(folder):
+        check_safetensors(path)
+        try:
+            weights.update(mx.load(str(path)))
+        except Exception as exc:  # MLX raises plain RuntimeError/ValueError for bad files
+            raise ModelLoadError(f"{path}: unreadable safetensors ({exc})") from None
+
+    model = module.Model(args)
+    weights = model.sanitize(weights)
+    source_quant = config.get("quantization") or config.get("quantization_config")
+    quant = source_quant if any(k.endswith(".scales") for k in weights) else None
+    if quant is not None and _should_dequantize(weights):
+        weights = _dequantize_all(weights, quant, compute)
+        quant = None
+    if quant is not None:
+        def quantized(path: str, module_: nn.Module) -> bool | dict:
+            if f"{path}.scales" not in weights:
+                return False
+            spec = quant.get(path, quant)
+            return {"group_size": spec.get("group_size", 64), "bits": spec.get("bits", 4)}
+        nn.quantize(model, class_predicate=quantized)
+    scale_dtype = mx.float32 if mx.default_device() == mx.cpu else compute
+    weights = {
+        k: (v.astype(scale_dtype) if k.endswith((".scales", ".biases")) and quant is not None
+            else v.astype(compute) if mx.issubdtype(v.dtype, mx.floating) else v)
+        for k, v in weights.items()
+    }
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise ModelLoadError(f"{folder}: weights do not match the config ({str(exc)[:300]})") from None
+    mx.eval(model.parameters())
+    return LoadedModel(model, config, folder, compute, quant, source_quant)

@@ -1,0 +1,113 @@
+"""Rotary position embeddings: default, linear, llama3 and yarn scaling.
+
+Configs name RoPE either with top-level keys (``rope_theta``, ``rope_scaling``) or, in newer
+Hugging Face configs, a ``rope_parameters`` block holding theta and the scaling type together;
+``rope_settings`` accepts both. Every variant is applied with ``mx.fast.rope`` (non-traditional,
+i.e. the rotate-half layout Hugging Face checkpoints use); variants that change frequencies pass
+them as ``freqs`` (MLX takes per-pair *periods*, 1 / inv_freq).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from backend.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class RopeSettings:
+    theta: float
+    kind: str = "default"  # default | linear | llama3 | yarn
+    params: dict = field(default_factory=dict)
+
+
+def rope_settings(config: dict, default_theta: float = 10000.0,
+                  theta_key: str = "rope_theta") -> RopeSettings:
+    """Read RoPE settings from a config dict, old or new layout."""
+    block = config.get("rope_parameters") or {}
+    # A nested block per attention type (e.g. {"full_attention": {...}}) is resolved by callers.
+    scaling = dict(config.get("rope_scaling") or {})
+    if block:
+        scaling = {**block, **scaling}
+    theta = float(block.get(theta_key, config.get(theta_key, default_theta)))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3", "yarn"):
+        raise ModelLoadError(f"unsupported RoPE scaling type {kind!r} "
+                             "(supported: default, linear, llama3, yarn)")
+    return RopeSettings(theta, kind, scaling)
+
+
+def _llama3_periods(dims: int, theta: float, p: dict) -> mx.array:
+    factor = p["factor"]
+    low, high = p.get("low_freq_factor", 1.0), p.get("high_freq_factor", 4.0)
+    old_ctx = p.get("original_max_position_embeddings", 8192)
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    periods = theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    wavelens = 2 * math.pi * periods
+    # Long wavelengths are slowed by `factor`; the band in between is blended smoothly.
+    periods = mx.where(wavelens > low_wavelen, periods * factor, periods)
+    is_mid = (wavelens > high_wavelen) & (wavelens < low_wavelen)
+    smooth = (old_ctx / wavelens - low) / (high - low)
+    mid = periods / ((1 - smooth) / factor + smooth)
+    return mx.where(is_mid, mid, periods)
+
+
+def _yarn(dims: int, theta: float, p: dict) -> tuple[mx.array, float]:
+    factor = p["factor"]
+    old_ctx = p.get("original_max_position_embeddings", 4096)
+    beta_fast, beta_slow = p.get("beta_fast", 32), p.get("beta_slow", 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dims * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = math.floor(correction_dim(beta_fast))
+    high = math.ceil(correction_dim(beta_slow))
+    if p.get("truncate", True) is False:
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001
+    ramp = mx.clip((mx.arange(dims // 2, dtype=mx.float32) - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    inv_freq = 1.0 / theta ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    inv_freq = (inv_freq / factor) * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        if p.get("mscale") and p.get("mscale_all_dim"):
+            attention_factor = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    return 1.0 / inv_freq, float(attention_factor)
+
+
+class RoPE(nn.Module):
+    """Applies rotary embeddings to ``(B, heads, L, head_dim)`` starting at a position offset."""
+
+    def __init__(self, dims: int, settings: RopeSettings):
+        super().__init__()
+        self.dims = dims
+        self.base: float | None = settings.theta
+        self.scale = 1.0
+        self.out_scale = 1.0
+        self._periods = None
+        p = settings.params
+        if settings.kind == "linear":
+            self.scale = 1.0 / p["factor"]
+        elif settings.kind == "llama3":
+            self._periods, self.base = _llama3_periods(dims, settings.theta, p), None
+        elif settings.kind == "yarn":
+            self._periods, self.out_scale = _yarn(dims, settings.theta, p)
+            self.base = None
+
+    def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
+        y = mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=self.scale,
+                         offset=offset, freqs=self._periods)
+        return y * self.out_scale if self.out_scale != 1.0 else y
