@@ -51,16 +51,21 @@ class Distribution:
     Instances are made by ``Sampler``; ``sample`` draws with that sampler's key stream.
     """
 
-    __slots__ = ("logprobs", "greedy", "_sampler")
+    __slots__ = ("logprobs", "greedy", "_sampler", "_argmax")
 
-    def __init__(self, logprobs: mx.array, greedy: bool, sampler: Sampler) -> None:
+    def __init__(
+        self, logprobs: mx.array, greedy: bool, sampler: Sampler, argmax: mx.array | None = None
+    ) -> None:
         self.logprobs = logprobs
         self.greedy = greedy
         self._sampler = sampler
+        self._argmax = argmax  # greedy only: the token, already known (saves a pass over V)
 
     def sample(self) -> mx.array:
         """A lazy scalar int32 token id. Greedy returns the argmax and consumes no key."""
         if self.greedy:
+            if self._argmax is not None:
+                return self._argmax
             return mx.argmax(self.logprobs).astype(mx.int32)
         key = self._sampler.next_key()
         return mx.random.categorical(self.logprobs, key=key).astype(mx.int32)
@@ -120,20 +125,28 @@ class Sampler:
                 f"distributions() needs logits (N, V) and N histories, "
                 f"got {logits.shape} and {len(histories)}"
             )
-        logprobs = self._logprobs(logits.astype(mx.float32), histories)  # (N, V)
-        return [Distribution(logprobs[i], self.greedy, self) for i in range(logits.shape[0])]
+        logits = self._penalized(logits.astype(mx.float32), histories)  # (N, V)
+        if self.greedy:
+            top = mx.argmax(logits, axis=-1).astype(mx.int32)  # (N,)
+            vocab = mx.arange(logits.shape[-1])[None]  # (1, V)
+            logprobs = mx.where(vocab == top[:, None], 0.0, _NEG_INF).astype(mx.float32)
+            return [Distribution(logprobs[i], True, self, top[i]) for i in range(len(histories))]
+        logprobs = self._filtered_logprobs(logits)  # (N, V)
+        return [Distribution(logprobs[i], False, self) for i in range(len(histories))]
 
     # -- the processor chain ---------------------------------------------------------------------
 
-    def _logprobs(self, logits: mx.array, histories: Sequence[mx.array | None]) -> mx.array:
+    def _penalized(self, logits: mx.array, histories: Sequence[mx.array | None]) -> mx.array:
+        """Steps 1-2: (N, V) logits after the repetition / presence / frequency penalties."""
         p = self.params
-        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            counts = self._history_counts(histories, logits.shape[1])  # (N, V) float32
-            logits = _apply_penalties(logits, counts, p)
-        if self.greedy:
-            top = mx.argmax(logits, axis=-1, keepdims=True)  # (N, 1)
-            vocab = mx.arange(logits.shape[-1])[None]  # (1, V)
-            return mx.where(vocab == top, 0.0, _NEG_INF).astype(mx.float32)
+        if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+            return logits
+        counts = self._history_counts(histories, logits.shape[1])  # (N, V) float32
+        return _apply_penalties(logits, counts, p)
+
+    def _filtered_logprobs(self, logits: mx.array) -> mx.array:
+        """Steps 3-7: (N, V) penalized logits -> renormalized log-probabilities (temperature > 0)."""
+        p = self.params
         logprobs = _log_softmax(logits / p.temperature)
         keep = None  # (N, V) bool, None while every token survives
         if p.top_p < 1.0:

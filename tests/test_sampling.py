@@ -226,6 +226,13 @@ def test_batched_rows_equal_single_row_distributions():
         )
 
 
+def test_batched_greedy_rows_sample_their_own_argmax():
+    logits = mx.array([[0.0, 2.0, 1.0], [3.0, -1.0, 0.0]])
+    rows = Sampler(SamplingParams(temperature=0.0)).distributions(logits, [None, None])
+    assert [row.sample().item() for row in rows] == [1, 0]
+    assert np.array(rows[1].probs()).tolist() == [1.0, 0.0, 0.0]
+
+
 def test_wrong_shapes_are_rejected():
     sampler = Sampler(SamplingParams())
     with pytest.raises(ValueError):
