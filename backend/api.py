@@ -38,13 +38,15 @@ class SamplingParams:
 @dataclass(frozen=True)
 class GenerateRequest:
     """One generation. Give either ``messages`` (rendered with the model's chat template) or
-    ``prompt_ids`` (fed as-is, no template). ``max_tokens`` counts generated tokens."""
+    ``prompt_ids`` (fed as-is, no template). ``max_tokens`` counts generated tokens.
+    ``ignore_eos`` keeps generating past end-of-sequence tokens (benchmarks)."""
 
     messages: list[Message] | None = None
     prompt_ids: list[int] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int = 512
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)

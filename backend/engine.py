@@ -131,6 +131,10 @@ class Engine:
             del live.tokens[keep:]
         return keep
 
+    def clear_cache(self) -> None:
+        """Forget every cached token (the next request prefills from scratch)."""
+        self._reset()
+
     def _reset(self) -> None:
         for cache in self._live.caches:
             cache.free()
@@ -210,7 +214,7 @@ class Engine:
                 if ahead is not None:
                     self._live.tokens.append(token_id)
                 generated.append(token_id)
-                if token_id in self.tokenizer.eos_token_ids:
+                if token_id in self.tokenizer.eos_token_ids and not request.ignore_eos:
                     finish = "stop"
                     break
                 text, stopped = stops.feed(detok.add(token_id))
@@ -226,7 +230,7 @@ class Engine:
                     break
                 token = sampler.distribution(ahead, history()).sample()
                 mx.async_eval(token)
-            if finish != "stop":
+            if not stops.stopped:  # release text held back for a stop string or a partial char
                 tail, stopped = stops.feed(detok.finalize())
                 tail += "" if stopped else stops.flush()
                 if tail:

@@ -1,0 +1,167 @@
+"""``arbor bench``: our engine and mlx-lm on the same weights, in one run, with ratios.
+
+For each weight format (float32, bfloat16, 4-bit with bf16 scales as mlx-community ships it) the
+benchmark writes one model folder from the chosen model, then times prefill of a fixed random
+prompt and greedy decode of a fixed number of tokens with
+
+* Arbor's ``Engine.generate`` (the same path the app uses), and
+* mlx-lm's ``generate_step`` on the very same folder,
+
+measuring both the same way: prefill tok/s = prompt tokens / time to first token; decode tok/s =
+(tokens - 1) / time from first to last token. It also measures this machine's memory read
+bandwidth and prints the decode ceiling (bandwidth / bytes of weights read per token) and the
+fraction of it each engine reaches. Timing belongs here, never in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from backend import blas
+from backend.api import GenerateRequest
+from backend.engine import Engine
+from backend.models.loading import load_model
+from backend.tokenizer import Tokenizer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "generation_config.json", "special_tokens_map.json")
+FORMATS = ("float32", "bfloat16", "4bit")
+
+
+@dataclass
+class Row:
+    fmt: str
+    engine: str
+    prefill_tps: float
+    decode_tps: float
+    weight_bytes: int
+
+
+def memory_bandwidth_gbs(megabytes: int = 512, threads: int = 2) -> float:
+    """Read bandwidth with ``threads`` readers summing disjoint halves of a large array."""
+    data = np.ones(megabytes * (1 << 20) // 4, dtype=np.float32)
+    parts = np.array_split(data, threads)
+    best = 0.0
+    for _ in range(3):
+        workers = [threading.Thread(target=np.sum, args=(p,)) for p in parts]
+        start = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        best = max(best, data.nbytes / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def write_variant(source: Path, dest: Path, fmt: str) -> Path:
+    """Write ``source`` as a plain HF folder in ``fmt`` (reused if already there)."""
+    if (dest / "config.json").is_file():
+        return dest
+    loaded = load_model(source, dtype="float32")
+    config = {k: v for k, v in loaded.config.items()
+              if k not in ("quantization", "quantization_config")}
+    weights = dict(tree_flatten(loaded.model.parameters()))
+    if fmt == "bfloat16":
+        weights = {k: v.astype(mx.bfloat16) for k, v in weights.items()}
+        config["torch_dtype"] = "bfloat16"
+    elif fmt == "4bit":
+        # The mlx-community layout: group size 64, bf16 scales and biases.
+        group, bits = 64, 4
+        out = {}
+        for name, w in weights.items():
+            if name.endswith(".weight") and w.ndim == 2 and w.shape[-1] % group == 0:
+                prefix = name[: -len(".weight")]
+                q, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+                out[name], out[prefix + ".scales"] = q, scales.astype(mx.bfloat16)
+                out[prefix + ".biases"] = biases.astype(mx.bfloat16)
+            else:
+                out[name] = w.astype(mx.bfloat16)
+        weights = out
+        config["quantization"] = {"group_size": group, "bits": bits}
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, tmp / name)
+    tmp.rename(dest)
+    return dest
+
+
+def prompt_ids(vocab: int, n: int) -> list[int]:
+    rng = np.random.default_rng(0)
+    return [int(t) for t in rng.integers(100, min(vocab, 20000), size=n)]
+
+
+def time_arbor(folder: Path, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:
+    engine = Engine(load_model(folder), Tokenizer.from_folder(folder), folder.name)
+    request = GenerateRequest(prompt_ids=prompt, max_tokens=new_tokens, ignore_eos=True)
+    list(engine.generate(GenerateRequest(prompt_ids=prompt[:16], max_tokens=4,
+                                         ignore_eos=True)))  # warm-up: compile, page weights
+    engine.clear_cache()
+    done = list(engine.generate(request))[-1]
+    return done.prefill_tps, done.decode_tps, engine.loaded.parameter_bytes
+
+
+def time_mlx_lm(folder: Path, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model as mlx_lm_load
+
+    model, _ = mlx_lm_load(folder)
+    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    for _ in generate_step(mx.array(prompt[:16]), model, max_tokens=4):
+        pass
+    start = time.perf_counter()
+    first = last = start
+    count = 0
+    for count, _ in enumerate(generate_step(mx.array(prompt), model, max_tokens=new_tokens), 1):
+        last = time.perf_counter()
+        if count == 1:
+            first = last
+    return len(prompt) / (first - start), (count - 1) / max(last - first, 1e-9), weight_bytes
+
+
+def run(source: Path, work_dir: Path, formats: tuple[str, ...] = FORMATS, prompt_tokens: int = 512,
+        new_tokens: int = 128, against_mlx_lm: bool = True, log=print) -> list[Row]:
+    vocab = int(json.loads((source / "config.json").read_text())["vocab_size"])
+    prompt = prompt_ids(vocab, prompt_tokens)
+    rows = []
+    for fmt in formats:
+        folder = write_variant(source, work_dir / f"{source.name}-{fmt}", fmt)
+        log(f"[{fmt}] arbor ...")
+        rows.append(Row(fmt, "arbor", *time_arbor(folder, prompt, new_tokens)))
+        if against_mlx_lm:
+            log(f"[{fmt}] mlx-lm ...")
+            rows.append(Row(fmt, "mlx-lm", *time_mlx_lm(folder, prompt, new_tokens)))
+    return rows
+
+
+def format_table(rows: list[Row], bandwidth_gbs: float) -> str:
+    lines = [f"BLAS: {blas.active_blas}   device: {mx.default_device()}   "
+             f"memory read bandwidth: {bandwidth_gbs:.1f} GB/s",
+             f"{'weights':9} {'engine':7} {'prefill tok/s':>13} {'decode tok/s':>12} "
+             f"{'weights read':>12} {'ceiling':>8} {'of ceiling':>10}"]
+    by_fmt: dict[str, dict[str, Row]] = {}
+    for r in rows:
+        ceiling = bandwidth_gbs * 1e9 / r.weight_bytes
+        lines.append(f"{r.fmt:9} {r.engine:7} {r.prefill_tps:13.1f} {r.decode_tps:12.1f} "
+                     f"{r.weight_bytes / 1e6:10.0f}MB {ceiling:8.1f} "
+                     f"{100 * r.decode_tps / ceiling:9.0f}%")
+        by_fmt.setdefault(r.fmt, {})[r.engine] = r
+    for fmt, pair in by_fmt.items():
+        if "arbor" in pair and "mlx-lm" in pair:
+            a, m = pair["arbor"], pair["mlx-lm"]
+            lines.append(f"{fmt:9} ratio arbor/mlx-lm: prefill {a.prefill_tps / m.prefill_tps:.2f}x"
+                         f"  decode {a.decode_tps / m.decode_tps:.2f}x")
+    return "\n".join(lines)

@@ -1,0 +1,295 @@
+"""The ``arbor`` command: the app, terminal chat, one-shot generation, model store, benchmarks.
+
+    arbor                       open the app (terminal chat when there is no display)
+    arbor chat [--model M]      terminal chat with history
+    arbor generate ...          one generation; --json prints one machine-readable object
+    arbor models list | import PATH [--name N] [--quantize 4|8] | rm NAME
+    arbor bench [--model M] [--against mlx-lm] [--formats float32,bfloat16,4bit] [--hybrid]
+
+Every user-caused problem (bad file, unknown architecture, prompt too long, bad arguments) is
+printed as one line ``arbor: error: ...`` with exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Sequence
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own exit code is already 2
+        self.exit(EXIT_USAGE, f"arbor: error: {message}\n")
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="store name, Hugging Face folder or .gguf file "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
+
+
+def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
+    p.add_argument("--system", help="system prompt")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="arbor", description="Local LLM chat on MLX.")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    app = sub.add_parser("app", help="open the desktop app")
+    _model_args(app)
+
+    chat = sub.add_parser("chat", help="terminal chat")
+    _model_args(chat)
+    _sampling_args(chat, temperature=0.7)
+
+    gen = sub.add_parser("generate", help="generate once and exit")
+    _model_args(gen)
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="user message (rendered with the chat template)")
+    source.add_argument("--prompt-ids", help="raw token ids, comma separated (no template)")
+    source.add_argument("--messages", type=Path, help="JSON file with a list of messages")
+    _sampling_args(gen, temperature=0.0)
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+
+    models = sub.add_parser("models", help="the local model store")
+    msub = models.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
+    msub.add_parser("list")
+    imp = msub.add_parser("import")
+    imp.add_argument("path", type=Path)
+    imp.add_argument("--name")
+    imp.add_argument("--quantize", type=int, choices=(4, 8))
+    rm = msub.add_parser("rm")
+    rm.add_argument("name")
+
+    bench = sub.add_parser("bench", help="prefill/decode speed vs mlx-lm")
+    _model_args(bench)
+    bench.add_argument("--against", choices=("mlx-lm", "none"), default="mlx-lm")
+    bench.add_argument("--formats", default="float32,bfloat16,4bit")
+    bench.add_argument("--prompt-tokens", type=int, default=512)
+    bench.add_argument("--new-tokens", type=int, default=128)
+    bench.add_argument("--hybrid", action="store_true",
+                       help="also benchmark a hybrid recurrent model's prefill")
+    return parser
+
+
+# -- commands ----------------------------------------------------------------------------------
+def _request(args: argparse.Namespace, messages: list[dict] | None = None,
+             prompt_ids: list[int] | None = None):
+    from backend.api import GenerateRequest, SamplingParams
+
+    sampling = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed)
+    return GenerateRequest(messages=messages, prompt_ids=prompt_ids, sampling=sampling,
+                           max_tokens=args.max_tokens, stop=tuple(args.stop))
+
+
+def _messages_from_file(path: Path) -> list[dict]:
+    from backend.errors import InvalidRequestError
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError(f"{path}: cannot read messages ({exc})") from None
+    if isinstance(data, dict) and "messages" in data:
+        data = data["messages"]
+    if not isinstance(data, list):
+        raise InvalidRequestError(f"{path}: expected a JSON list of messages")
+    return data
+
+
+def _parse_ids(text: str) -> list[int]:
+    from backend.errors import InvalidRequestError
+
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise InvalidRequestError(f"--prompt-ids must be comma-separated integers: {text!r}") \
+            from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from backend.api import DoneEvent
+    from backend.engine import Engine
+
+    prompt_ids = messages = None
+    if args.prompt_ids is not None:
+        prompt_ids = _parse_ids(args.prompt_ids)
+    else:
+        messages = (_messages_from_file(args.messages) if args.messages
+                    else [{"role": "user", "content": args.prompt}])
+        if args.system:
+            messages = [{"role": "system", "content": args.system}] + messages
+    engine = Engine.load(args.model, args.dtype)
+    done = None
+    for event in engine.generate(_request(args, messages, prompt_ids)):
+        if isinstance(event, DoneEvent):
+            done = event
+        elif not args.json:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    assert done is not None
+    if args.json:
+        print(json.dumps({
+            "text": done.text, "token_ids": done.token_ids,
+            "prompt_tokens": done.prompt_tokens, "cached_tokens": done.cached_tokens,
+            "ttft_s": round(done.ttft_s, 4), "prefill_tps": round(done.prefill_tps, 2),
+            "decode_tps": round(done.decode_tps, 2),
+            "generated_tokens": done.generated_tokens, "finish_reason": done.finish_reason,
+        }))
+    else:
+        print()
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace, stdin=None, stdout=None) -> int:
+    """Terminal chat: keeps the conversation; /reset clears it, /quit or EOF leaves."""
+    from backend.api import DoneEvent
+    from backend.engine import Engine
+    from backend.errors import ArborError
+
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    engine = Engine.load(args.model, args.dtype)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    stdout.write(f"arbor chat · {engine.info.name} · /reset clears, /quit leaves, "
+                 "Ctrl-C stops a reply\n")
+    while True:
+        stdout.write("> ")
+        stdout.flush()
+        line = stdin.readline()
+        if not line or line.strip() in ("/quit", "/exit"):
+            stdout.write("\n")
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text == "/reset":
+            history.clear()
+            continue
+        history.append({"role": "user", "content": text})
+        cancel = threading.Event()
+        reply, done = [], None
+        try:
+            for event in engine.generate(_request(args, system + history), cancel):
+                if isinstance(event, DoneEvent):
+                    done = event
+                else:
+                    reply.append(event.text)
+                    stdout.write(event.text)
+                    stdout.flush()
+        except KeyboardInterrupt:
+            cancel.set()
+        except ArborError as exc:
+            history.pop()
+            stdout.write(f"\narbor: error: {exc}\n")
+            continue
+        history.append({"role": "assistant", "content": "".join(reply)})
+        if done is not None:
+            stdout.write(f"\n  [{done.generated_tokens} tokens, {done.decode_tps:.1f} tok/s, "
+                         f"{done.cached_tokens}/{done.prompt_tokens} prompt tokens cached]\n")
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from backend.models.store import ModelStore
+
+    store = ModelStore()
+    if args.models_command == "list":
+        for m in store.list():
+            print(f"{m.name:40} {m.architecture:12} {m.quantization or 'float':12} "
+                  f"{m.size_bytes / 1e6:9.1f} MB")
+    elif args.models_command == "import":
+        def progress(fraction: float, message: str) -> None:
+            sys.stderr.write(f"\r{100 * fraction:5.1f}% {message[:60]:60}")
+
+        stored = store.import_path(args.path, name=args.name, quantize=args.quantize,
+                                   progress=progress)
+        sys.stderr.write("\n")
+        print(f"imported {stored.name} -> {stored.path}")
+    elif args.models_command == "rm":
+        store.remove(args.name)
+        print(f"removed {args.name}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import platformdirs
+
+    from backend import bench
+    from backend.models.store import ModelStore
+
+    source = ModelStore().resolve(args.model)
+    formats = tuple(f for f in args.formats.split(",") if f)
+    unknown = [f for f in formats if f not in bench.FORMATS]
+    if unknown:
+        from backend.errors import InvalidRequestError
+        raise InvalidRequestError(f"unknown formats {unknown} (choose from {bench.FORMATS})")
+    work = Path(platformdirs.user_cache_dir("arbor")) / "bench"
+    rows = bench.run(Path(source), work, formats, args.prompt_tokens, args.new_tokens,
+                     against_mlx_lm=args.against == "mlx-lm",
+                     log=lambda m: print(m, file=sys.stderr))
+    print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy")
+    print(bench.format_table(rows, bench.memory_bandwidth_gbs()))
+    if args.hybrid:
+        from backend import bench_hybrid
+        print(bench_hybrid.format_table(bench_hybrid.run_hybrid_bench()))
+    return 0
+
+
+def has_display() -> bool:
+    if sys.platform in ("darwin", "win32"):
+        return True
+    if os.environ.get("QT_QPA_PLATFORM", "") in ("offscreen", "minimal"):
+        return False
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def cmd_app(args: argparse.Namespace) -> int:
+    if not has_display():
+        print("arbor: no display found; starting the terminal chat", file=sys.stderr)
+        ns = build_parser().parse_args(["chat"] + (["--model", args.model] if args.model else []))
+        return cmd_chat(ns)
+    from desktop.app import run
+
+    return run(args.model)
+
+
+COMMANDS = {"app": cmd_app, "chat": cmd_chat, "generate": cmd_generate, "models": cmd_models,
+            "bench": cmd_bench}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    command = args.command or "app"
+    if args.command is None:
+        args.model, args.dtype = None, None
+    import backend  # noqa: F401  (loads the system BLAS before anything imports mlx.core)
+    from backend.errors import ArborError
+
+    try:
+        return COMMANDS[command](args)
+    except ArborError as exc:
+        print(f"arbor: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
