@@ -1,0 +1,136 @@
+"""MLX affine quantization in the mlx-community folder layout.
+
+A quantized linear or embedding weight ``X.weight`` is stored as three tensors:
+
+* ``X.weight``  uint32, shape ``(out, in * bits / 32)``: ``bits``-bit codes packed little-endian,
+  element ``j`` of each ``32 / bits`` run in bits ``j*bits ..`` of its word (``mx.quantize``'s layout);
+* ``X.scales``  float32, shape ``(out, in / group_size)``;
+* ``X.biases``  float32, shape ``(out, in / group_size)``;
+
+so that ``w = scales * q + biases`` group by group (``mx.dequantize``). ``config.json`` carries
+``"quantization": {"group_size": G, "bits": B, ...}`` where extra keys name modules (``X`` without
+``.weight``) whose spec differs: a ``{"group_size", "bits"}`` dict, or ``false`` for a linear layer
+kept in floating point. This is what mlx-lm reads and writes.
+
+Scales and biases are always float32 here, whatever the source dtype: on MLX's CPU backend
+quantized matmuls with float16/bfloat16 scales are several times slower, and float16 values (the
+GGUF block scales) are exact in float32.
+
+Scope: the tensor-level operations and the config block. Which tensors to quantize and how to
+stream them through files is the caller's business (``store.py``, ``gguf.py``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import mlx.core as mx
+
+#: dtype of ``.scales`` / ``.biases`` written by Arbor (see module docstring for why).
+SCALE_DTYPE = mx.float32
+
+#: Group size used when Arbor quantizes floating-point weights itself (mlx-lm's default).
+DEFAULT_GROUP_SIZE = 64
+
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+
+
+@dataclass(frozen=True, order=True)
+class QuantSpec:
+    """How one layer is quantized: ``bits`` per weight, one scale/bias per ``group_size`` inputs."""
+
+    group_size: int
+    bits: int
+
+    def describe(self) -> str:
+        """Short human form, e.g. ``"4-bit g32"``."""
+        return f"{self.bits}-bit g{self.group_size}"
+
+    def as_config(self) -> dict[str, int]:
+        return {"group_size": self.group_size, "bits": self.bits}
+
+
+def module_of(weight_name: str) -> str:
+    """``"model.layers.0.mlp.up_proj.weight"`` -> ``"model.layers.0.mlp.up_proj"``."""
+    return weight_name.removesuffix(".weight")
+
+
+def is_quantizable(name: str, shape: tuple[int, ...], group_size: int) -> bool:
+    """Whether a floating-point tensor is a linear/embedding weight MLX can quantize at ``group_size``.
+
+    Linear and embedding weights are the 2-D ``*.weight`` tensors of a decoder; norms and biases
+    are 1-D and convolution kernels 3-D. The input dimension must split into whole groups.
+    """
+    if not name.endswith(".weight") or len(shape) != 2:
+        return False
+    if "norm" in module_of(name).rsplit(".", 1)[-1]:  # defensive: a 2-D norm is never a matmul
+        return False
+    return shape[-1] % group_size == 0
+
+
+def quantize_weight(weight: mx.array, spec: QuantSpec) -> dict[str, mx.array]:
+    """Quantize a float ``(out, in)`` weight; returns ``{"weight", "scales", "biases"}``.
+
+    Precondition: ``weight.shape[-1] % spec.group_size == 0`` (see ``is_quantizable``).
+    """
+    if spec.bits not in SUPPORTED_BITS:
+        raise ValueError(f"cannot quantize to {spec.bits} bits; supported: {SUPPORTED_BITS}")
+    # Quantize from float32: mx.quantize on bf16 input computes its scales in bf16.
+    packed, scales, biases = mx.quantize(
+        weight.astype(mx.float32), group_size=spec.group_size, bits=spec.bits
+    )
+    return {"weight": packed, "scales": scales.astype(SCALE_DTYPE), "biases": biases.astype(SCALE_DTYPE)}
+
+
+def quantization_block(layers: Mapping[str, QuantSpec | None]) -> dict[str, Any] | None:
+    """The ``config.json`` ``"quantization"`` block for per-module specs.
+
+    ``layers`` maps every linear/embedding module to its spec, or ``None`` if it stays in floating
+    point. The most common spec becomes the default; every module that differs gets an override
+    (``false`` for floating point). Returns ``None`` when nothing is quantized.
+    """
+    counts = Counter(spec for spec in layers.values() if spec is not None)
+    if not counts:
+        return None
+    # Most common first; ties broken by the spec itself so the output is deterministic.
+    default = max(counts, key=lambda spec: (counts[spec], spec))
+    block: dict[str, Any] = default.as_config()
+    for module in sorted(layers):
+        spec = layers[module]
+        if spec != default:
+            block[module] = False if spec is None else spec.as_config()
+    return block
+
+
+def read_quantization(config: Mapping[str, Any]) -> tuple[QuantSpec | None, dict[str, QuantSpec | None]]:
+    """Parse ``config["quantization"]`` into ``(default spec, {module: override or None})``.
+
+    A config without the block gives ``(None, {})``. Unknown scalar keys (``"mode"``) are ignored.
+    """
+    block = config.get("quantization")
+    if not isinstance(block, Mapping):
+        return None, {}
+    default = None
+    if "group_size" in block and "bits" in block:
+        default = QuantSpec(int(block["group_size"]), int(block["bits"]))
+    overrides: dict[str, QuantSpec | None] = {}
+    for key, value in block.items():
+        if value is False:
+            overrides[key] = None
+        elif isinstance(value, Mapping) and "group_size" in value and "bits" in value:
+            overrides[key] = QuantSpec(int(value["group_size"]), int(value["bits"]))
+    return default, overrides
+
+
+def describe_quantization(config: Mapping[str, Any]) -> str | None:
+    """``"4-bit g32"`` when every quantized module shares one spec, ``"mixed"`` otherwise, ``None``
+    for a floating-point model."""
+    default, overrides = read_quantization(config)
+    specs = {spec for spec in overrides.values() if spec is not None}
+    if default is not None:
+        specs.add(default)
+    if not specs:
+        return None
+    return specs.pop().describe() if len(specs) == 1 else "mixed"

