@@ -38,7 +38,8 @@ def rope_settings(config: dict, default_theta: float = 10000.0,
     if kind not in ("default", "linear", "llama3", "yarn"):
         raise ModelLoadError(f"unsupported RoPE scaling type {kind!r} "
                              "(supported: default, linear, llama3, yarn)")
-    return RopeSettings(theta, kind, scaling)
+    params = {k: v for k, v in scaling.items() if k not in (theta_key, "rope_type", "type")}
+    return RopeSettings(theta, kind, params)
 
 
 def _llama3_periods(dims: int, theta: float, p: dict) -> mx.array:
