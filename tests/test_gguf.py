@@ -139,8 +139,11 @@ def write_gguf(
     arch: str = "llama",
     pre: str = "smollm",
     tokenizer: str = "gpt2",
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Write ``hf`` as llama.cpp would; returns the raw GGUF payload per GGUF name."""
+    """Write ``hf`` as llama.cpp would; returns the raw GGUF payload per GGUF name.
+
+    q/k rows are permuted only for ``llama``: llama.cpp's Qwen converters leave them alone."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(512)
@@ -167,9 +170,9 @@ def write_gguf(
     payload = {}
     for hf_name, gguf_name in gguf_names(hf).items():
         data = hf[hf_name]
-        if ".attn_q." in gguf_name:
+        if ".attn_q." in gguf_name and arch == "llama":
             data = llama_cpp_permute(data, HEADS)
-        elif ".attn_k." in gguf_name:
+        elif ".attn_k." in gguf_name and arch == "llama":
             data = llama_cpp_permute(data, KV_HEADS)
         kind = qtype(gguf_name, data)
         if kind == T.F32:
@@ -182,6 +185,8 @@ def write_gguf(
             raw = gguf.quants.quantize(data, kind)
         writer.add_tensor(gguf_name, raw, raw_dtype=None if kind in (T.F32, T.F16) else kind)
         payload[gguf_name] = (raw, kind)
+    for name, value in (extra_tensors or {}).items():
+        writer.add_tensor(name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -381,6 +386,56 @@ def test_quantize_option_quantizes_float_and_k_quant_weights(tmp_path: Path) -> 
         folder, "model.layers.1.self_attn.q_proj.weight"
     )  # un-permuted, then quantized
     assert np.abs(got_q - hf["model.layers.1.self_attn.q_proj.weight"]).max() < 2e-3
+
+
+def test_qwen2_gguf_is_not_unpermuted(tmp_path: Path) -> None:
+    hf = tiny_hf_weights(seed=4)
+    write_gguf(tmp_path / "q.gguf", hf, arch="qwen2", pre="qwen2")
+    folder = import_gguf(tmp_path / "q.gguf", tmp_path / "out")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "qwen2"
+    name = "model.layers.0.self_attn.q_proj.weight"
+    np.testing.assert_array_equal(imported_values(folder, name), hf[name])
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokens = byte_level_vocab()[0]
+    assert [tokens[i] for i in tokenizer.encode("Hello world").ids] == ["Hello", "Ġworld"]
+
+
+def llama3_rope_factors(base: float, dim: int, factor: float) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` for Llama 3.1 scaling (low 1, high 4, original context 8192)."""
+    factors = []
+    for inv in 1.0 / base ** (np.arange(0, dim, 2) / dim):
+        wavelen = 2 * np.pi / inv
+        if wavelen < 8192 / 4:
+            factors.append(1.0)
+        elif wavelen > 8192 / 1:
+            factors.append(factor)
+        else:
+            smooth = (8192 / wavelen - 1) / (4 - 1)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def test_llama3_rope_frequencies_become_rope_scaling(tmp_path: Path) -> None:
+    factors = llama3_rope_factors(10000.0, HEAD_DIM, 8.0)
+    assert {1.0, 8.0} < set(factors.tolist())  # all three regimes: kept, scaled, smoothed
+    extra = {"rope_freqs.weight": factors}
+    write_gguf(tmp_path / "l3.gguf", tiny_hf_weights(), extra_tensors=extra)
+    folder = import_gguf(tmp_path / "l3.gguf", tmp_path / "out")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    assert "rope_freqs.weight" not in mx.load(str(folder / "model.safetensors"))
+
+    odd = {"rope_freqs.weight": factors * np.linspace(1, 1.5, factors.size, dtype=np.float32)}
+    write_gguf(tmp_path / "odd.gguf", tiny_hf_weights(), extra_tensors=odd)
+    with pytest.raises(ModelLoadError, match="rope frequency factors"):
+        import_gguf(tmp_path / "odd.gguf", tmp_path / "out2")
 
 
 # ---------------------------------------------------------------------------------------------
