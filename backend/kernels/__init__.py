@@ -1,0 +1,174 @@
+"""Optional native MLX CPU kernels for decode-time matrix-vector products.
+
+On Linux x86-64, MLX's CPU backend sends ``x @ w.T`` with one to a few rows of ``x`` to
+BLAS sgemv, which streams the weights well below the memory bandwidth. The extension
+built from this folder adds two MLX primitives (they stay in MLX's lazy graph, work with
+``mx.async_eval`` and ``mx.compile``) that stream each weight row once with AVX-512 or
+AVX2 FMA on a small thread pool:
+
+* ``matvec(x, w)``: ``x`` (..., K) float32, ``w`` (N, K) float32 -> ``x @ w.T``.
+* ``matvec_q(x, wq, scales, biases, group_size, bits)``: the same for weights in MLX's
+  affine quantized layout (``mx.quantize``), bits 4 or 8, group size 32/64/128, float32
+  scales and biases; equals ``mx.quantized_matmul(..., transpose=True)``.
+
+Both are meant for a handful of rows of ``x`` (decode); callers keep MLX's own matmul
+for prefill. Nothing here raises when the extension is absent: ``available()`` is False
+(not built, built for another MLX, macOS, non-x86 CPU, or ``ARBOR_KERNELS=0``) and
+callers use plain MLX. ``ensure_built()`` compiles it on first use where a compiler and
+nanobind are present; ``python -m backend.kernels.build`` does the same from a shell.
+
+Environment: ``ARBOR_KERNELS=0`` disables the extension; ``ARBOR_MATVEC_THREADS`` caps
+its threads (default: usable cores); ``ARBOR_MATVEC_ISA=generic|avx2|avx512`` forces an
+instruction set; ``ARBOR_MATVEC_SPIN_US`` is how long idle workers spin (default 300).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import threading
+from types import ModuleType
+from typing import Any
+
+__all__ = [
+    "available",
+    "ensure_built",
+    "isa",
+    "matvec",
+    "matvec_q",
+    "set_num_threads",
+    "unavailable_reason",
+]
+
+_lock = threading.Lock()
+_module: ModuleType | None = None
+_reason: str | None = None  # why the module is not loaded, once we tried
+_tried = False
+
+
+def _try_load() -> ModuleType | None:
+    """Loads the compiled module once; records why not on failure. Never raises."""
+    global _module, _reason, _tried
+    if _tried:
+        return _module
+    with _lock:
+        if _tried:
+            return _module
+        _module, _reason = _load()
+        _tried = True
+    return _module
+
+
+def _load() -> tuple[ModuleType | None, str | None]:
+    if os.environ.get("ARBOR_KERNELS", "").strip().lower() in ("0", "off", "false", "no"):
+        return None, "disabled by ARBOR_KERNELS"
+    try:
+        from backend.kernels import build as _build
+    except Exception as e:  # noqa: BLE001
+        return None, f"build helper unavailable: {e}"
+    ok, why = _build.supported_platform()
+    if not ok:
+        return None, why
+    path = _build.module_path()
+    if not path.is_file() or not _build.INFO_FILE.is_file():
+        return None, "not built (run python -m backend.kernels.build)"
+    try:
+        import mlx.core as mx
+
+        info = json.loads(_build.INFO_FILE.read_text())
+        if info.get("mlx") != mx.__version__:
+            return None, f"built for MLX {info.get('mlx')}, running {mx.__version__}"
+        if info.get("python") != _build.sysconfig.get_config_var("EXT_SUFFIX"):
+            return None, f"built for another Python ({info.get('python')})"
+        name = f"{__name__}._arbor_kernels"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            return None, f"cannot load {path}"
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        sys.modules[name] = mod
+        runtime = mod.runtime_mlx_version()
+        if not runtime.startswith(mod.built_for_mlx):
+            return None, f"built against MLX {mod.built_for_mlx} headers, running {runtime}"
+        return mod, None
+    except Exception as e:  # noqa: BLE001 - a broken build must only disable the kernels
+        return None, f"failed to load {path.name}: {type(e).__name__}: {e}"
+
+
+def available() -> bool:
+    """True when the native kernels are built for this MLX and loadable here."""
+    return _try_load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why ``available()`` is False (None when it is True)."""
+    _try_load()
+    return _reason
+
+
+def ensure_built(quiet: bool = True) -> bool:
+    """Builds the extension if needed (compiler and nanobind permitting); True if usable.
+
+    Never raises: on any failure the kernels stay unavailable and the reason is kept for
+    ``unavailable_reason()``.
+    """
+    global _tried, _reason
+    if _module is not None:
+        return True
+    try:
+        from backend.kernels import build as _build
+
+        ok, why = _build.supported_platform()
+        if not ok:
+            _reason = why
+            return False
+        _build.build(quiet=quiet)
+    except Exception as e:  # noqa: BLE001 - BuildError, OSError, timeouts...
+        with _lock:
+            _tried, _reason = True, f"build failed: {e}"
+        return False
+    with _lock:
+        _tried = False  # reload with the fresh build
+    return available()
+
+
+def _mod() -> Any:
+    mod = _try_load()
+    if mod is None:
+        raise RuntimeError(f"Arbor native kernels are unavailable: {_reason}")
+    return mod
+
+
+def matvec(x: Any, w: Any) -> Any:
+    """``x @ w.T`` for float32 ``x`` (..., K) and ``w`` (N, K) -> (..., N), lazily.
+
+    Raises ValueError naming the shapes when they do not fit, RuntimeError when the
+    extension is unavailable (check ``available()`` first). Strided inputs are accepted
+    (weights with unit-stride rows directly, anything else through a copy).
+    """
+    return _mod().matvec(x, w)
+
+
+def matvec_q(x: Any, wq: Any, scales: Any, biases: Any, group_size: int = 64, bits: int = 4) -> Any:
+    """``mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size, bits)``.
+
+    For float32 ``x`` (..., K), ``wq`` uint32 (N, K*bits/32) as ``mx.quantize`` packs it,
+    float32 ``scales``/``biases`` (N, K/group_size); bits 4 or 8, group_size 32, 64 or 128.
+    Raises ValueError naming the shapes otherwise.
+    """
+    return _mod().matvec_q(x, wq, scales, biases, int(group_size), int(bits))
+
+
+def isa() -> str | None:
+    """Instruction set the kernels run with here ("avx512", "avx2", "generic"), or None."""
+    mod = _try_load()
+    return mod.isa() if mod is not None else None
+
+
+def set_num_threads(n: int) -> None:
+    """Caps the kernels' threads (n <= 0 restores the default). No-op when unavailable."""
+    mod = _try_load()
+    if mod is not None:
+        mod.set_max_threads(int(n))

@@ -1,0 +1,298 @@
+// Arbor matvec drivers: ISA selection, a small persistent thread pool and the
+// row partitioning of one product across it.
+#include "kernels.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace arbor {
+
+// ---------------------------------------------------------------------------
+// Instruction set selection
+
+const IsaKernels& best_isa() {
+  static const IsaKernels* chosen = [] {
+    const char* env = std::getenv("ARBOR_MATVEC_ISA");
+    std::string want = env ? env : "";
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    bool has512 = __builtin_cpu_supports("avx512f");
+    bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (want == "generic") return &isa_generic();
+    if (want == "avx2" && has2) return &isa_avx2();
+    if (has512 && want != "avx2") return &isa_avx512();
+    if (has2) return &isa_avx2();
+#endif
+    return &isa_generic();
+  }();
+  return *chosen;
+}
+
+// ---------------------------------------------------------------------------
+// Thread pool. A product is cut into chunks of rows; the calling thread and the
+// workers claim chunks from one atomic word until none are left, so a worker
+// that is not scheduled (cores shared with other processes) never holds the
+// caller up: the caller simply does more chunks itself. Idle workers spin for a
+// short while (decode issues products back to back, and a futex wake-up costs
+// as much as a small product), yielding the CPU as they go, then sleep.
+
+namespace {
+
+int usable_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  unsigned n = std::thread::hardware_concurrency();
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  return (end && *end == 0) ? static_cast<int>(x) : fallback;
+}
+
+std::atomic<int> g_max_threads{0};
+
+class Pool {
+ public:
+  using Fn = void (*)(void* ctx, int64_t chunk);
+
+  static Pool& get() {
+    static Pool* pool = new Pool();  // never destroyed: workers may outlive exit
+    return *pool;
+  }
+
+  // Runs fn(ctx, c) for every chunk c in [0, chunks) using up to `threads`
+  // threads, this one included; returns when all chunks are done.
+  void run(int64_t chunks, int threads, Fn fn, void* ctx) {
+    std::unique_lock<std::mutex> busy(run_mutex_, std::defer_lock);
+    if (threads <= 1 || chunks <= 1 || chunks > kMaxChunks || !busy.try_lock()) {
+      for (int64_t c = 0; c < chunks; ++c) fn(ctx, c);  // serial (or pool busy)
+      return;
+    }
+    ensure_workers(threads - 1);
+    fn_ = fn;
+    ctx_ = ctx;
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t job = (job_id_ = (job_id_ + 1) & kJobMask);
+    word_.store(pack(job, static_cast<uint64_t>(chunks), 0), std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lk(sleep_mutex_);
+      wake_.notify_all();
+    }
+    work_on(job);
+    int spins = 0;
+    while (done_.load(std::memory_order_acquire) != chunks) {
+      if (++spins % 64 == 0) sched_yield();  // a claimed chunk may sit on a preempted worker
+    }
+  }
+
+ private:
+  // word_ = job id (24 bits) | chunk count (20 bits) | next chunk (20 bits)
+  static constexpr uint64_t kJobMask = (1ull << 24) - 1;
+  static constexpr int64_t kMaxChunks = (1ll << 20) - 2;
+  static uint64_t pack(uint64_t job, uint64_t total, uint64_t next) {
+    return (job << 40) | (total << 20) | next;
+  }
+  static uint64_t job_of(uint64_t w) { return w >> 40; }
+  static uint64_t total_of(uint64_t w) { return (w >> 20) & 0xFFFFF; }
+  static uint64_t next_of(uint64_t w) { return w & 0xFFFFF; }
+
+  // Claims and runs chunks of `job` until it has none left.
+  void work_on(uint64_t job) {
+    uint64_t w = word_.load(std::memory_order_acquire);
+    for (;;) {
+      if (job_of(w) != job || next_of(w) >= total_of(w)) return;
+      if (!word_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel,
+                                       std::memory_order_acquire))
+        continue;
+      // The claimed chunk keeps the job unfinished, so fn_/ctx_ stay valid.
+      fn_(ctx_, static_cast<int64_t>(next_of(w)));
+      done_.fetch_add(1, std::memory_order_acq_rel);
+      w = word_.load(std::memory_order_acquire);
+    }
+  }
+
+  Pool() { spin_us_ = env_int("ARBOR_MATVEC_SPIN_US", 300); }
+
+  void ensure_workers(int n) {
+    while (workers_ < n) {
+      ++workers_;
+      std::thread([this] { loop(); }).detach();
+    }
+  }
+
+  void loop() {
+    using clock = std::chrono::steady_clock;
+    uint64_t seen = job_of(word_.load(std::memory_order_acquire));
+    for (;;) {
+      auto deadline = clock::now() + std::chrono::microseconds(spin_us_);
+      int spins = 0;
+      uint64_t job;
+      while ((job = job_of(word_.load(std::memory_order_acquire))) == seen) {
+        if (++spins % 16 != 0) continue;
+        sched_yield();  // let a thread sharing this CPU (the caller) run
+        if (clock::now() < deadline) continue;
+        std::unique_lock<std::mutex> lk(sleep_mutex_);
+        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        wake_.wait(lk, [&] {
+          return job_of(word_.load(std::memory_order_seq_cst)) != seen;
+        });
+        sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+        deadline = clock::now() + std::chrono::microseconds(spin_us_);
+      }
+      seen = job;
+      work_on(job);
+    }
+  }
+
+  std::mutex run_mutex_;
+  int workers_ = 0;
+  uint64_t job_id_ = 0;
+  std::atomic<uint64_t> word_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> sleepers_{0};
+  std::mutex sleep_mutex_;
+  std::condition_variable wake_;
+  Fn fn_ = nullptr;
+  void* ctx_ = nullptr;
+  int spin_us_ = 300;
+};
+
+// Chunks of whole 16-row groups, each streaming about kChunkBytes of weights.
+constexpr int64_t kChunkBytes = 64 * 1024;
+
+inline int64_t chunk_rows(int64_t row_cost_bytes, int64_t N) {
+  int64_t rows = kChunkBytes / std::max<int64_t>(1, row_cost_bytes);
+  rows = std::max<int64_t>(16, (rows + 15) / 16 * 16);
+  return std::min<int64_t>(rows, std::max<int64_t>(N, 1));
+}
+
+inline int threads_for(int64_t chunks) {
+  return static_cast<int>(std::min<int64_t>(max_threads(), chunks));
+}
+
+struct F32Job {
+  const IsaKernels* isa;
+  const float* x;
+  int64_t ldx, M, K;
+  const float* w;
+  int64_t ldw, N;
+  float* out;
+  int64_t rows;  // per chunk
+};
+
+void f32_chunk(void* ctx, int64_t c) {
+  auto* j = static_cast<F32Job*>(ctx);
+  int64_t n0 = c * j->rows, n1 = std::min(j->N, n0 + j->rows);
+  j->isa->f32_rows(j->x, j->ldx, j->M, j->K, j->w, j->ldw, j->out, j->N, n0, n1);
+}
+
+struct QJob {
+  const IsaKernels* isa;
+  const float* x;
+  int64_t ldx, M, K;
+  const uint8_t* wq;
+  int64_t ldq;
+  const float* scales;
+  const float* biases;
+  int64_t ldsb;
+  int gs, bits;
+  int64_t N;
+  float* out;
+  int64_t rows;  // per chunk
+};
+
+void q_chunk(void* ctx, int64_t c) {
+  auto* j = static_cast<QJob*>(ctx);
+  int64_t n0 = c * j->rows, n1 = std::min(j->N, n0 + j->rows);
+  j->isa->q_rows(j->x, j->ldx, j->M, j->K, j->wq, j->ldq, j->scales, j->biases,
+                   j->ldsb, j->gs, j->bits, j->out, j->N, n0, n1);
+}
+
+}  // namespace
+
+int max_threads() {
+  int t = g_max_threads.load(std::memory_order_relaxed);
+  if (t <= 0) {
+    t = env_int("ARBOR_MATVEC_THREADS", 0);
+    if (t <= 0) t = usable_cores();
+    t = std::max(1, std::min(t, 64));
+    g_max_threads.store(t, std::memory_order_relaxed);
+  }
+  return t;
+}
+
+void set_max_threads(int n) {
+  g_max_threads.store(n <= 0 ? 0 : std::min(n, 64), std::memory_order_relaxed);
+}
+
+void matvec_f32(
+    const float* x, int64_t ldx, int64_t M, int64_t K, const float* w,
+    int64_t ldw, int64_t N, float* out) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    std::memset(out, 0, sizeof(float) * M * N);
+    return;
+  }
+  // Cost of a row: its bytes, and more once several x rows make it compute bound.
+  int64_t row_cost = K * static_cast<int64_t>(sizeof(float)) * std::max<int64_t>(1, M / 2);
+  int64_t rows = chunk_rows(row_cost, N);
+  F32Job job{&best_isa(), x, ldx, M, K, w, ldw, N, out, rows};
+  int64_t chunks = (N + rows - 1) / rows;
+  Pool::get().run(chunks, threads_for(chunks), &f32_chunk, &job);
+}
+
+void matvec_q(
+    const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wq,
+    int64_t ldq, const float* scales, const float* biases, int64_t ldsb,
+    int group_size, int bits, int64_t N, float* out) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    std::memset(out, 0, sizeof(float) * M * N);
+    return;
+  }
+  const IsaKernels* isa = &best_isa();
+  // The 4-bit kernels read each block of q4_block values of x as its even
+  // entries followed by its odd ones (the order nibbles unpack in).
+  thread_local std::vector<float> scratch;
+  if (bits == 4 && isa->q4_block > 0) {
+    const int B = isa->q4_block, H = B / 2;
+    scratch.resize(static_cast<size_t>(M * K));
+    for (int64_t m = 0; m < M; ++m) {
+      const float* src = x + m * ldx;
+      float* dst = scratch.data() + m * K;
+      for (int64_t b = 0; b < K; b += B)
+        for (int i = 0; i < H; ++i) {
+          dst[b + i] = src[b + 2 * i];
+          dst[b + H + i] = src[b + 2 * i + 1];
+        }
+    }
+    x = scratch.data();
+    ldx = K;
+  }
+  // Unpacking costs more than streaming: count a packed row like its float32 size.
+  int64_t row_cost = K * static_cast<int64_t>(sizeof(float)) * std::max<int64_t>(1, M / 2);
+  int64_t rows = chunk_rows(row_cost, N);
+  QJob job{isa, x, ldx, M, K, wq, ldq, scales, biases, ldsb, group_size, bits, N, out, rows};
+  int64_t chunks = (N + rows - 1) / rows;
+  Pool::get().run(chunks, threads_for(chunks), &q_chunk, &job);
+}
+
+}  // namespace arbor

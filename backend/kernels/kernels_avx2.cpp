@@ -1,0 +1,59 @@
+// AVX2 + FMA instantiation of the Arbor matvec kernels.
+// Built with -mavx2 -mfma; only called after a CPUID check.
+#include "kernels.h"
+
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace {
+
+struct V {
+  using R = __m256;
+  static constexpr int W = 8;
+  static constexpr int MT_F32 = 2;  // 16 registers: 4 rows x 2 + x + w
+  static constexpr int MT_Q = 1;
+  static inline R zero() { return _mm256_setzero_ps(); }
+  static inline R load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline R load_n(const float* p, int n) {
+    alignas(32) static const int mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1,
+                                             0,  0,  0,  0,  0,  0,  0,  0};
+    __m256i m = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mask + 8 - n));
+    return _mm256_maskload_ps(p, m);
+  }
+  static inline R set1(float f) { return _mm256_set1_ps(f); }
+  static inline R add(R a, R b) { return _mm256_add_ps(a, b); }
+  static inline R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
+  static inline float sum(R a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static inline R u8(const uint8_t* p) {
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+  }
+  static inline void u4(const uint8_t* p, R& lo, R& hi) {
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    __m256i v = _mm256_cvtepu8_epi32(b);
+    lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+    hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  }
+};
+
+#include "kernels_impl.h"
+
+}  // namespace
+
+namespace arbor {
+const IsaKernels& isa_avx2() {
+  static const IsaKernels k{"avx2", 2 * V::W, &f32_rows, &q_rows};
+  return k;
+}
+}  // namespace arbor
+
+#elif defined(__x86_64__)
+namespace arbor {
+const IsaKernels& isa_avx2() { return isa_generic(); }
+}  // namespace arbor
+#endif

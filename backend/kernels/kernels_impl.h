@@ -1,0 +1,189 @@
+// Arbor matvec kernels, written once against a small vector-traits struct `V`.
+//
+// Each ISA translation unit (kernels_avx512.cpp, kernels_avx2.cpp,
+// kernels_generic.cpp) defines `V` inside an anonymous namespace and then
+// includes this file there, so every instantiation has internal linkage and
+// code compiled for one ISA can never be picked up by another TU. Keep this
+// file free of std:: templates for the same reason.
+//
+// V must provide:
+//   using R;               vector register type
+//   W;                     float lanes per register
+//   MT_F32, MT_Q;          most x rows handled per tile (register budget)
+//   zero(), load(p), load_n(p, n) (first n lanes, rest 0), set1(f),
+//   fma(a, b, c) = a * b + c, sum(a) (horizontal add),
+//   u8(p)                  W bytes -> W floats
+//   u4(p, lo, hi)          W bytes -> low nibbles in lo, high nibbles in hi
+
+#define ARBOR_UNROLL _Pragma("GCC unroll 16")
+
+template <int ROWS, int MT, int U>
+inline void f32_tile(
+    const float* x, int64_t ldx, int64_t K, const float* w, int64_t ldw,
+    float* out, int64_t ldo) {
+  typename V::R acc[U][ROWS][MT];
+  ARBOR_UNROLL for (int u = 0; u < U; ++u)
+    ARBOR_UNROLL for (int r = 0; r < ROWS; ++r)
+      ARBOR_UNROLL for (int m = 0; m < MT; ++m) acc[u][r][m] = V::zero();
+
+  int64_t k = 0;
+  for (; k + U * V::W <= K; k += U * V::W) {
+    ARBOR_UNROLL for (int u = 0; u < U; ++u) {
+      typename V::R xv[MT];
+      ARBOR_UNROLL for (int m = 0; m < MT; ++m)
+        xv[m] = V::load(x + m * ldx + k + u * V::W);
+      ARBOR_UNROLL for (int r = 0; r < ROWS; ++r) {
+        typename V::R wv = V::load(w + r * ldw + k + u * V::W);
+        ARBOR_UNROLL for (int m = 0; m < MT; ++m)
+          acc[u][r][m] = V::fma(wv, xv[m], acc[u][r][m]);
+      }
+    }
+  }
+  for (; k + V::W <= K; k += V::W) {
+    typename V::R xv[MT];
+    ARBOR_UNROLL for (int m = 0; m < MT; ++m) xv[m] = V::load(x + m * ldx + k);
+    ARBOR_UNROLL for (int r = 0; r < ROWS; ++r) {
+      typename V::R wv = V::load(w + r * ldw + k);
+      ARBOR_UNROLL for (int m = 0; m < MT; ++m)
+        acc[0][r][m] = V::fma(wv, xv[m], acc[0][r][m]);
+    }
+  }
+  if (k < K) {
+    const int rest = static_cast<int>(K - k);
+    typename V::R xv[MT];
+    ARBOR_UNROLL for (int m = 0; m < MT; ++m) xv[m] = V::load_n(x + m * ldx + k, rest);
+    ARBOR_UNROLL for (int r = 0; r < ROWS; ++r) {
+      typename V::R wv = V::load_n(w + r * ldw + k, rest);
+      ARBOR_UNROLL for (int m = 0; m < MT; ++m)
+        acc[0][r][m] = V::fma(wv, xv[m], acc[0][r][m]);
+    }
+  }
+  ARBOR_UNROLL for (int r = 0; r < ROWS; ++r)
+    ARBOR_UNROLL for (int m = 0; m < MT; ++m) {
+      typename V::R s = acc[0][r][m];
+      ARBOR_UNROLL for (int u = 1; u < U; ++u) s = V::add(s, acc[u][r][m]);
+      out[m * ldo + r] = V::sum(s);
+    }
+}
+
+// All x rows against ROWS weight rows, in tiles of at most V::MT_F32 x rows.
+template <int ROWS, int U>
+inline void f32_rows_x(
+    const float* x, int64_t ldx, int64_t M, int64_t K, const float* w,
+    int64_t ldw, float* out, int64_t ldo) {
+  int64_t m = 0;
+  for (; m + V::MT_F32 <= M; m += V::MT_F32)
+    f32_tile<ROWS, V::MT_F32, 1>(x + m * ldx, ldx, K, w, ldw, out + m * ldo, ldo);
+  switch (M - m) {
+    case 1: f32_tile<ROWS, 1, U>(x + m * ldx, ldx, K, w, ldw, out + m * ldo, ldo); break;
+    case 2: f32_tile<ROWS, 2, 1>(x + m * ldx, ldx, K, w, ldw, out + m * ldo, ldo); break;
+    case 3: f32_tile<ROWS, 3, 1>(x + m * ldx, ldx, K, w, ldw, out + m * ldo, ldo); break;
+    default: break;
+  }
+}
+
+#ifndef ARBOR_F32_ROWS
+#define ARBOR_F32_ROWS 4
+#endif
+
+void f32_rows(
+    const float* x, int64_t ldx, int64_t M, int64_t K, const float* w,
+    int64_t ldw, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  constexpr int RB = ARBOR_F32_ROWS;
+  int64_t n = n0;
+  for (; n + RB <= n1; n += RB)
+    f32_rows_x<RB, (RB >= 4 ? 1 : 4 / RB)>(x, ldx, M, K, w + n * ldw, ldw, out + n, ldo);
+  for (; n < n1; ++n)
+    f32_rows_x<1, 4>(x, ldx, M, K, w + n * ldw, ldw, out + n, ldo);
+}
+
+// Quantized tile. x rows are read in the order the ISA expects: natural for
+// 8 bits; for 4 bits each block of 2*W values is split into its even-indexed
+// values followed by its odd-indexed ones (see permute_q4 in kernels.cpp), which
+// matches the low/high nibble order u4() produces from W packed bytes.
+template <int ROWS, int MT, int BITS>
+inline void q_tile(
+    const float* x, int64_t ldx, int64_t K, const uint8_t* wq, int64_t ldq,
+    const float* scales, const float* biases, int64_t ldsb, int gs,
+    float* out, int64_t ldo) {
+  typename V::R acc[ROWS][MT];
+  ARBOR_UNROLL for (int r = 0; r < ROWS; ++r)
+    ARBOR_UNROLL for (int m = 0; m < MT; ++m) acc[r][m] = V::zero();
+  const int64_t groups = K / gs;
+  for (int64_t g = 0; g < groups; ++g) {
+    typename V::R s[ROWS], b[ROWS];
+    ARBOR_UNROLL for (int r = 0; r < ROWS; ++r) {
+      s[r] = V::set1(scales[r * ldsb + g]);
+      b[r] = V::set1(biases[r * ldsb + g]);
+    }
+    const int64_t k0 = g * gs, k1 = k0 + gs;
+    if constexpr (BITS == 8) {
+      for (int64_t k = k0; k < k1; k += V::W) {
+        typename V::R xv[MT];
+        ARBOR_UNROLL for (int m = 0; m < MT; ++m) xv[m] = V::load(x + m * ldx + k);
+        ARBOR_UNROLL for (int r = 0; r < ROWS; ++r) {
+          typename V::R wv = V::fma(V::u8(wq + r * ldq + k), s[r], b[r]);
+          ARBOR_UNROLL for (int m = 0; m < MT; ++m)
+            acc[r][m] = V::fma(wv, xv[m], acc[r][m]);
+        }
+      }
+    } else {
+      for (int64_t k = k0; k < k1; k += 2 * V::W) {
+        typename V::R xe[MT], xo[MT];
+        ARBOR_UNROLL for (int m = 0; m < MT; ++m) {
+          xe[m] = V::load(x + m * ldx + k);
+          xo[m] = V::load(x + m * ldx + k + V::W);
+        }
+        ARBOR_UNROLL for (int r = 0; r < ROWS; ++r) {
+          typename V::R lo, hi;
+          V::u4(wq + r * ldq + k / 2, lo, hi);
+          lo = V::fma(lo, s[r], b[r]);
+          hi = V::fma(hi, s[r], b[r]);
+          ARBOR_UNROLL for (int m = 0; m < MT; ++m) {
+            acc[r][m] = V::fma(lo, xe[m], acc[r][m]);
+            acc[r][m] = V::fma(hi, xo[m], acc[r][m]);
+          }
+        }
+      }
+    }
+  }
+  ARBOR_UNROLL for (int r = 0; r < ROWS; ++r)
+    ARBOR_UNROLL for (int m = 0; m < MT; ++m) out[m * ldo + r] = V::sum(acc[r][m]);
+}
+
+template <int ROWS, int BITS>
+inline void q_rows_x(
+    const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wq,
+    int64_t ldq, const float* scales, const float* biases, int64_t ldsb,
+    int gs, float* out, int64_t ldo) {
+  int64_t m = 0;
+  for (; m + V::MT_Q <= M; m += V::MT_Q)
+    q_tile<ROWS, V::MT_Q, BITS>(x + m * ldx, ldx, K, wq, ldq, scales, biases, ldsb, gs, out + m * ldo, ldo);
+  for (; m < M; ++m)
+    q_tile<ROWS, 1, BITS>(x + m * ldx, ldx, K, wq, ldq, scales, biases, ldsb, gs, out + m * ldo, ldo);
+}
+
+template <int BITS>
+inline void q_rows_bits(
+    const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wq,
+    int64_t ldq, const float* scales, const float* biases, int64_t ldsb,
+    int gs, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  constexpr int RB = 4;
+  int64_t n = n0;
+  for (; n + RB <= n1; n += RB)
+    q_rows_x<RB, BITS>(x, ldx, M, K, wq + n * ldq, ldq, scales + n * ldsb, biases + n * ldsb, ldsb, gs, out + n, ldo);
+  for (; n < n1; ++n)
+    q_rows_x<1, BITS>(x, ldx, M, K, wq + n * ldq, ldq, scales + n * ldsb, biases + n * ldsb, ldsb, gs, out + n, ldo);
+}
+
+void q_rows(
+    const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wq,
+    int64_t ldq, const float* scales, const float* biases, int64_t ldsb,
+    int gs, int bits, float* out, int64_t ldo, int64_t n0, int64_t n1) {
+  if (bits == 8)
+    q_rows_bits<8>(x, ldx, M, K, wq, ldq, scales, biases, ldsb, gs, out, ldo, n0, n1);
+  else
+    q_rows_bits<4>(x, ldx, M, K, wq, ldq, scales, biases, ldsb, gs, out, ldo, n0, n1);
+}
+
+#undef ARBOR_UNROLL

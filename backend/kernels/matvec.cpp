@@ -1,0 +1,313 @@
+// Arbor's native MLX CPU primitives for decode-time matrix-vector products.
+//
+//   matvec(x, w)                          x (..., K) f32, w (N, K) f32 -> (..., N) = x @ w.T
+//   matvec_q(x, wq, scales, biases, gs, bits)
+//                                         same with w in MLX's affine quantized layout
+//
+// Both are MLX primitives: building them only records a graph node; eval_cpu
+// runs when MLX evaluates the graph and hands the work to MLX's CPU command
+// encoder, so they compose with other ops, mx.compile and mx.async_eval. The
+// arithmetic lives in kernels.cpp / kernels_impl.h.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+#include "mlx/stream.h"
+#include "mlx/utils.h"
+#include "mlx/version.h"
+
+#include "kernels.h"
+
+namespace mx = mlx::core;
+namespace nb = nanobind;
+
+namespace arbor {
+namespace {
+
+std::string shape_str(const mx::array& a) {
+  std::ostringstream os;
+  os << "(";
+  for (int i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << a.shape(i);
+  if (a.ndim() == 1) os << ",";
+  os << ")";
+  return os.str();
+}
+
+std::string dtype_str(mx::Dtype t) {
+  if (t == mx::float32) return "float32";
+  if (t == mx::float16) return "float16";
+  if (t == mx::bfloat16) return "bfloat16";
+  if (t == mx::uint32) return "uint32";
+  if (t == mx::int32) return "int32";
+  return "dtype size " + std::to_string(t.size());
+}
+
+mx::Stream cpu_stream(mx::StreamOrDevice s) {
+  mx::Stream st = mx::to_stream(s);
+  if (st.device.type != mx::Device::DeviceType::cpu)
+    st = mx::default_stream(mx::Device(mx::Device::DeviceType::cpu));
+  return st;
+}
+
+// Copies an arbitrarily strided array of 4-byte elements into `dst`, row-major.
+void gather4(const mx::array& a, void* dst) {
+  const char* base = a.data<char>();
+  const auto& shape = a.shape();
+  const auto& strides = a.strides();
+  const int nd = a.ndim();
+  auto* out = static_cast<uint32_t*>(dst);
+  const size_t total = a.size();
+  std::vector<int64_t> idx(nd, 0);
+  for (size_t i = 0; i < total; ++i) {
+    int64_t off = 0;
+    for (int d = 0; d < nd; ++d) off += idx[d] * strides[d];
+    std::memcpy(out + i, base + off * 4, 4);
+    for (int d = nd - 1; d >= 0; --d) {
+      if (++idx[d] < shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+// A 2-D operand as (pointer, row stride in elements), copying it into `scratch`
+// when its rows are not unit-stride.
+template <typename T>
+const T* rows_of(const mx::array& a, int64_t& ld, std::vector<uint32_t>& scratch) {
+  const int64_t cols = a.shape(-1);
+  if (a.flags().row_contiguous) {
+    ld = cols;
+    return a.data<T>();
+  }
+  if (a.ndim() == 2 && (a.strides()[1] == 1 || cols == 1) && a.strides()[0] >= cols) {
+    ld = a.shape(0) == 1 ? cols : a.strides()[0];
+    return a.data<T>();
+  }
+  scratch.resize(a.size());
+  gather4(a, scratch.data());
+  ld = cols;
+  return reinterpret_cast<const T*>(scratch.data());
+}
+
+// The M x K rows of x (any leading dims), contiguous.
+const float* x_rows(const mx::array& x, std::vector<uint32_t>& scratch) {
+  if (x.flags().row_contiguous) return x.data<float>();
+  scratch.resize(x.size());
+  gather4(x, scratch.data());
+  return reinterpret_cast<const float*>(scratch.data());
+}
+
+void alloc_out(mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+}
+
+// ---------------------------------------------------------------------------
+
+class Matvec : public mx::UnaryPrimitive {
+ public:
+  explicit Matvec(mx::Stream s) : mx::UnaryPrimitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& x = inputs[0];
+    const auto& w = inputs[1];
+    alloc_out(out);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(x);
+    enc.set_input_array(w);
+    enc.set_output_array(out);
+    const int64_t K = w.shape(1), N = w.shape(0);
+    const int64_t M = K > 0 ? static_cast<int64_t>(x.size()) / K : 0;
+    enc.dispatch([x = mx::array::unsafe_weak_copy(x),
+                  w = mx::array::unsafe_weak_copy(w),
+                  out = mx::array::unsafe_weak_copy(out), M, K, N]() mutable {
+      if (out.size() == 0) return;
+      std::vector<uint32_t> xs, ws;
+      int64_t ldw = K;
+      const float* xp = K > 0 ? x_rows(x, xs) : nullptr;
+      const float* wp = K > 0 ? rows_of<float>(w, ldw, ws) : nullptr;
+      matvec_f32(xp, K, M, K, wp, ldw, N, out.data<float>());
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[arbor.matvec] has no GPU implementation.");
+  }
+
+  const char* name() const override { return "ArborMatvec"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape s = inputs[0].shape();
+    s.back() = inputs[1].shape(0);
+    return {s};
+  }
+};
+
+class QuantizedMatvec : public mx::UnaryPrimitive {
+ public:
+  QuantizedMatvec(mx::Stream s, int group_size, int bits)
+      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto& x = inputs[0];
+    const auto& wq = inputs[1];
+    const auto& scales = inputs[2];
+    const auto& biases = inputs[3];
+    alloc_out(out);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    const int64_t N = wq.shape(0);
+    const int64_t K = x.shape(-1);
+    const int64_t M = K > 0 ? static_cast<int64_t>(x.size()) / K : 0;
+    const int gs = group_size_, bits = bits_;
+    enc.dispatch([x = mx::array::unsafe_weak_copy(x),
+                  wq = mx::array::unsafe_weak_copy(wq),
+                  sc = mx::array::unsafe_weak_copy(scales),
+                  bi = mx::array::unsafe_weak_copy(biases),
+                  out = mx::array::unsafe_weak_copy(out), M, K, N, gs, bits]() mutable {
+      if (out.size() == 0) return;
+      std::vector<uint32_t> xs, qs, ss, bs;
+      const float* xp = K > 0 ? x_rows(x, xs) : nullptr;
+      int64_t ldq = 0, lds = 0, ldb = 0;
+      const uint32_t* qp = K > 0 ? rows_of<uint32_t>(wq, ldq, qs) : nullptr;
+      const float* sp = K > 0 ? rows_of<float>(sc, lds, ss) : nullptr;
+      const float* bp = K > 0 ? rows_of<float>(bi, ldb, bs) : nullptr;
+      if (K > 0 && lds != ldb) {  // the kernel walks both with one stride
+        ss.resize(sc.size());
+        gather4(sc, ss.data());
+        bs.resize(bi.size());
+        gather4(bi, bs.data());
+        sp = reinterpret_cast<const float*>(ss.data());
+        bp = reinterpret_cast<const float*>(bs.data());
+        lds = ldb = sc.shape(-1);
+      }
+      matvec_q(xp, K, M, K, reinterpret_cast<const uint8_t*>(qp), ldq * 4, sp, bp,
+               lds, gs, bits, N, out.data<float>());
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[arbor.matvec_q] has no GPU implementation.");
+  }
+
+  const char* name() const override { return "ArborQuantizedMatvec"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const QuantizedMatvec&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    mx::Shape s = inputs[0].shape();
+    s.back() = inputs[1].shape(0);
+    return {s};
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Ops (graph construction; shapes and dtypes are checked here, eagerly).
+
+mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {}) {
+  if (x.ndim() < 1 || w.ndim() != 2 || x.shape(-1) != w.shape(1)) {
+    throw std::invalid_argument(
+        "[arbor.matvec] expected x (..., K) and w (N, K), got x " + shape_str(x) +
+        " and w " + shape_str(w) + ".");
+  }
+  if (x.dtype() != mx::float32 || w.dtype() != mx::float32) {
+    throw std::invalid_argument(
+        "[arbor.matvec] expected float32 x and w, got " + dtype_str(x.dtype()) +
+        " x " + shape_str(x) + " and " + dtype_str(w.dtype()) + " w " + shape_str(w) + ".");
+  }
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = w.shape(0);
+  return mx::array(out_shape, mx::float32, std::make_shared<Matvec>(cpu_stream(s)), {x, w});
+}
+
+mx::array matvec_q(
+    const mx::array& x, const mx::array& wq, const mx::array& scales,
+    const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s = {}) {
+  if (bits != 4 && bits != 8) {
+    throw std::invalid_argument(
+        "[arbor.matvec_q] bits must be 4 or 8, got " + std::to_string(bits) + ".");
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    throw std::invalid_argument(
+        "[arbor.matvec_q] group_size must be 32, 64 or 128, got " +
+        std::to_string(group_size) + ".");
+  }
+  const bool ranks = x.ndim() >= 1 && wq.ndim() == 2 && scales.ndim() == 2 && biases.ndim() == 2;
+  const int64_t K = x.ndim() >= 1 ? x.shape(-1) : -1;
+  const bool shapes = ranks && K % group_size == 0 &&
+      static_cast<int64_t>(wq.shape(1)) * 32 / bits == K &&
+      scales.shape(0) == wq.shape(0) && scales.shape(1) == K / group_size &&
+      biases.shape() == scales.shape();
+  if (!shapes) {
+    throw std::invalid_argument(
+        "[arbor.matvec_q] expected x (..., K), wq (N, K*bits/32), scales and biases "
+        "(N, K/group_size) with K a multiple of group_size; got x " + shape_str(x) +
+        ", wq " + shape_str(wq) + ", scales " + shape_str(scales) + ", biases " +
+        shape_str(biases) + " for bits=" + std::to_string(bits) +
+        ", group_size=" + std::to_string(group_size) + ".");
+  }
+  if (x.dtype() != mx::float32 || wq.dtype() != mx::uint32 ||
+      scales.dtype() != mx::float32 || biases.dtype() != mx::float32) {
+    throw std::invalid_argument(
+        "[arbor.matvec_q] expected float32 x, uint32 wq and float32 scales/biases; got " +
+        dtype_str(x.dtype()) + " x " + shape_str(x) + ", " + dtype_str(wq.dtype()) +
+        " wq " + shape_str(wq) + ", " + dtype_str(scales.dtype()) + " scales, " +
+        dtype_str(biases.dtype()) + " biases.");
+  }
+  mx::Shape out_shape = x.shape();
+  out_shape.back() = wq.shape(0);
+  return mx::array(
+      out_shape, mx::float32,
+      std::make_shared<QuantizedMatvec>(cpu_stream(s), group_size, bits),
+      {x, wq, scales, biases});
+}
+
+}  // namespace arbor
+
+#define ARBOR_STR2(x) #x
+#define ARBOR_STR(x) ARBOR_STR2(x)
+
+NB_MODULE(_arbor_kernels, m) {
+  nb::module_::import_("mlx.core");  // registers mlx.core.array with nanobind
+  m.doc() = "Arbor's native MLX CPU matrix-vector kernels.";
+
+  m.def("matvec",
+        [](const mx::array& x, const mx::array& w) { return arbor::matvec(x, w); },
+        nb::arg("x"), nb::arg("w"),
+        "x (..., K) float32 @ w.T for w (N, K) float32 -> (..., N) float32.");
+  m.def("matvec_q",
+        [](const mx::array& x, const mx::array& wq, const mx::array& scales,
+           const mx::array& biases, int group_size, int bits) {
+          return arbor::matvec_q(x, wq, scales, biases, group_size, bits);
+        },
+        nb::arg("x"), nb::arg("wq"), nb::arg("scales"), nb::arg("biases"),
+        nb::arg("group_size"), nb::arg("bits"),
+        "Same as mx.quantized_matmul(x, wq, scales, biases, transpose=True, "
+        "group_size, bits) for float32 x, scales and biases; bits 4 or 8.");
+  m.def("isa", [] { return std::string(arbor::best_isa().name); },
+        "Instruction set the kernels use on this CPU.");
+  m.def("max_threads", &arbor::max_threads, "Threads a large product may use.");
+  m.def("set_max_threads", &arbor::set_max_threads, nb::arg("n"),
+        "Cap the threads (n <= 0: back to ARBOR_MATVEC_THREADS or the core count).");
+  m.def("runtime_mlx_version", [] { return std::string(mx::version()); });
+  m.attr("built_for_mlx") = ARBOR_STR(MLX_VERSION_MAJOR) "." ARBOR_STR(
+      MLX_VERSION_MINOR) "." ARBOR_STR(MLX_VERSION_PATCH);
+}
