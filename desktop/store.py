@@ -494,6 +494,19 @@ class ChatStore:
         }
         return [PathItem(rows[i], tuple(tree.get(rows[i].parent_id, [i]))) for i in chain]
 
+    def lineage(self, message_id: int) -> list[Message]:
+        """``message_id`` and its ancestors, the first message first (what a reply answers)."""
+        rows = self._db.execute(
+            "WITH RECURSIVE chain (id, depth) AS (SELECT ?, 0 UNION ALL"
+            " SELECT m.parent_id, chain.depth + 1 FROM messages m JOIN chain ON m.id = chain.id"
+            " WHERE m.parent_id IS NOT NULL)"
+            " SELECT messages.* FROM chain JOIN messages ON messages.id = chain.id ORDER BY chain.depth DESC",
+            (message_id,),
+        ).fetchall()
+        if not rows:
+            raise KeyError(f"no message {message_id}")
+        return [_message_from_row(r) for r in rows]
+
     def select_message(self, message_id: int) -> int:
         """Show the branch through ``message_id``: the new leaf is found by following the newest
         child from there. Returns the leaf's id."""

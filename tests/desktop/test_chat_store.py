@@ -221,3 +221,14 @@ def test_bad_imports_fail_with_a_reason_and_write_nothing(store, document, reaso
     with pytest.raises(StoreError, match=reason):
         transfer.import_json(store, json.loads(json.dumps(document)))
     assert store.count_conversations() == 0
+
+
+def test_lineage_is_the_chain_a_reply_answers(store):
+    chat = store.create_conversation()
+    u = store.add_message(chat.id, None, "user", "q")
+    a = store.add_message(chat.id, u.id, "assistant", "a")
+    u2 = store.add_message(chat.id, a.id, "user", "q2")
+    store.add_message(chat.id, u.id, "assistant", "other branch")
+    assert [m.id for m in store.lineage(u2.id)] == [u.id, a.id, u2.id]
+    with pytest.raises(KeyError):
+        store.lineage(999)
