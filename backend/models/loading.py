@@ -13,9 +13,7 @@ the fastest compute path there; otherwise they stay quantized with float32 scale
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import mlx.nn as nn
 
 from backend.errors import ModelLoadError, UnknownArchitectureError
 from backend.models import ARCHITECTURES
+from backend.models.files import check_safetensors, read_config, weight_files
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -41,56 +40,6 @@ class LoadedModel:
     def parameter_bytes(self) -> int:
         from mlx.utils import tree_flatten
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
-
-
-def read_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ModelLoadError(f"{folder}: no config.json (not a model folder)")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{path}: invalid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return config
-
-
-def check_safetensors(path: Path) -> None:
-    """Cheap integrity check: the header parses and the data it describes is all there."""
-    size = path.stat().st_size
-    try:
-        with path.open("rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            if header_len > size - 8:
-                raise ValueError("header longer than file")
-            header = json.loads(f.read(header_len))
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"),
-                  default=0)
-    except (struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError):
-        raise ModelLoadError(f"{path}: corrupt safetensors header") from None
-    if 8 + header_len + end > size:
-        raise ModelLoadError(
-            f"{path}: truncated safetensors file ({size} bytes, header promises "
-            f"{8 + header_len + end})")
-
-
-def weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as exc:
-            raise ModelLoadError(f"{index}: invalid index ({exc})") from None
-        files = [folder / n for n in names]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ModelLoadError(f"{folder}: missing weight shards {missing}")
-        return files
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{folder}: no *.safetensors weight files")
-    return files
 
 
 def default_dtype(config: dict) -> mx.Dtype:
