@@ -141,3 +141,21 @@ def test_no_display_falls_back_to_terminal_chat(tiny_model_dir):
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "terminal chat" in proc.stderr and "arbor chat" in proc.stdout
+
+
+def test_models_import_list_rm(capsys, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("ARBOR_HOME", str(tmp_path / "home"))
+    code, out, _ = run_cli(capsys, "models", "import", str(tiny_model_dir("qwen3")), "--name",
+                           "tiny-q", "--quantize", "8")
+    assert code == 0 and "tiny-q" in out
+    code, out, _ = run_cli(capsys, "models", "list")
+    assert code == 0 and "tiny-q" in out and "qwen3" in out and "8-bit" in out
+    code, out, _ = run_cli(capsys, "generate", "--model", "tiny-q", "--prompt-ids", "5,6",
+                           "--max-tokens", "2", "--json")
+    assert code == 0 and json.loads(out)["prompt_tokens"] == 2
+    code, out, _ = run_cli(capsys, "models", "rm", "tiny-q")
+    assert code == 0
+    code, out, _ = run_cli(capsys, "models", "list")
+    assert "tiny-q" not in out
+    code, _, err = run_cli(capsys, "models", "rm", "tiny-q")
+    assert_one_line_error(code, err, "tiny-q")
