@@ -125,7 +125,7 @@ class Matvec : public mx::UnaryPrimitive {
     enc.set_input_array(w);
     enc.set_output_array(out);
     const int64_t K = w.shape(1), N = w.shape(0);
-    const int64_t M = K > 0 ? static_cast<int64_t>(x.size()) / K : 0;
+    const int64_t M = N > 0 ? static_cast<int64_t>(out.size()) / N : 0;
     enc.dispatch([x = mx::array::unsafe_weak_copy(x),
                   w = mx::array::unsafe_weak_copy(w),
                   out = mx::array::unsafe_weak_copy(out), M, K, N]() mutable {
@@ -168,7 +168,7 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
     enc.set_output_array(out);
     const int64_t N = wq.shape(0);
     const int64_t K = x.shape(-1);
-    const int64_t M = K > 0 ? static_cast<int64_t>(x.size()) / K : 0;
+    const int64_t M = N > 0 ? static_cast<int64_t>(out.size()) / N : 0;
     const int gs = group_size_, bits = bits_;
     enc.dispatch([x = mx::array::unsafe_weak_copy(x),
                   wq = mx::array::unsafe_weak_copy(wq),

@@ -1,0 +1,197 @@
+"""Native MLX CPU kernels (backend.kernels): numerics against MLX and float64, strided and
+batched inputs, laziness under async_eval and mx.compile, argument checks, and the
+quantized variant against mx.quantized_matmul. Skipped where the extension cannot be
+built (no compiler or nanobind, macOS, non-x86)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from backend import kernels
+
+
+@pytest.fixture(scope="module")
+def K():
+    if not kernels.ensure_built(quiet=True):
+        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    return kernels
+
+
+def _ref(x: mx.array, w: mx.array) -> tuple[np.ndarray, np.ndarray]:
+    """float64 x @ w.T and the bound |x| @ |w|.T that float32 rounding error scales with."""
+    xn = np.array(x, dtype=np.float64)
+    wn = np.array(w, dtype=np.float64)
+    return xn @ wn.T, np.abs(xn) @ np.abs(wn).T
+
+
+def _close(got: mx.array, x: mx.array, w: mx.array, rel: float = 2e-6) -> None:
+    ref, scale = _ref(x, w)
+    err = np.abs(np.array(got, dtype=np.float64) - ref)
+    assert got.shape == ref.shape
+    assert np.all(err <= rel * scale + 1e-30), float(np.max(err / (scale + 1e-30)))
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("ARBOR_KERNELS", "0")
+    mod, reason = kernels._load()
+    assert mod is None and "ARBOR_KERNELS" in reason
+
+
+@pytest.mark.parametrize("k", [1, 7, 16, 17, 100, 576])
+@pytest.mark.parametrize("n", [1, 3, 33])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_matvec_shapes(K, m, n, k):
+    x = mx.random.normal((m, k))
+    w = mx.random.normal((n, k))
+    got = K.matvec(x, w)
+    _close(got, x, w)
+    assert mx.allclose(got, x @ w.T, rtol=1e-5, atol=1e-5 * np.sqrt(k)).item()
+
+
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_matvec_threaded_sizes(K, m):
+    # Large enough to be split across the pool; results must not depend on the thread count.
+    x = mx.random.normal((m, 576))
+    w = mx.random.normal((1537, 576)) * 0.05
+    got = K.matvec(x, w)
+    _close(got, x, w)
+    K.set_num_threads(1)
+    try:
+        serial = K.matvec(x, w)
+        mx.eval(serial)
+    finally:
+        K.set_num_threads(0)
+    assert mx.array_equal(got, serial).item()
+
+
+def test_matvec_batch_dims_and_vector(K):
+    w = mx.random.normal((19, 40))
+    for shape in [(40,), (2, 40), (2, 3, 40), (1, 1, 40), (2, 1, 2, 40)]:
+        x = mx.random.normal(shape)
+        got = K.matvec(x, w)
+        assert got.shape == shape[:-1] + (19,)
+        _close(got.reshape(-1, 19), x.reshape(-1, 40), w)
+
+
+def test_matvec_empty(K):
+    w = mx.random.normal((5, 8))
+    assert K.matvec(mx.zeros((0, 8)), w).shape == (0, 5)
+    assert K.matvec(mx.zeros((2, 8)), mx.zeros((0, 8))).shape == (2, 0)
+    out = K.matvec(mx.zeros((2, 0)), mx.zeros((3, 0)))
+    assert out.shape == (2, 3) and not mx.any(out).item()
+
+
+def test_matvec_strided_inputs(K):
+    base = mx.random.normal((64, 96))
+    x = mx.random.normal((3, 96))
+    cases = {
+        "row slice": (x, base[8:40]),
+        "every other row": (x, base[::2]),
+        "transposed": (x, mx.random.normal((96, 64)).T),
+        "column slice": (x[:, 10:50], base[:, 10:50]),
+        "broadcast rows": (x, mx.broadcast_to(base[:1], (7, 96))),
+        "x transposed": (mx.random.normal((96, 3)).T, base),
+        "x column slice": (mx.random.normal((3, 200))[:, 4:100], base),
+    }
+    for name, (xi, wi) in cases.items():
+        got = K.matvec(xi, wi)
+        mx.eval(got)
+        try:
+            _close(got, xi, wi)
+        except AssertionError as e:
+            raise AssertionError(name) from e
+
+
+def test_matvec_in_lazy_graph_with_async_eval(K):
+    ws = [mx.random.normal((48, 48)) * 0.2 for _ in range(6)]
+    x0 = mx.random.normal((1, 1, 48))
+    mx.eval(ws, x0)
+
+    def step(x, mm):
+        for w in ws:
+            x = x + mx.tanh(mm(mx.sigmoid(x) * 2.0 - 1.0, w))
+        return x
+
+    want = step(x0, lambda a, b: a @ b.T)
+    outs, x = [], x0
+    for _ in range(4):  # pipelined like decode: queue the next step before reading the last
+        x = step(x, K.matvec)
+        mx.async_eval(x)
+        outs.append(x)
+    mx.eval(outs)
+    assert mx.allclose(outs[0], want, rtol=1e-5, atol=1e-5).item()
+    ref = x0
+    for got in outs:
+        ref = step(ref, lambda a, b: a @ b.T)
+        assert mx.allclose(got, ref, rtol=1e-4, atol=1e-4).item()
+
+
+def test_matvec_under_compile(K):
+    w1, w2 = mx.random.normal((64, 32)), mx.random.normal((32, 64))
+
+    @mx.compile
+    def f(x):
+        return K.matvec(mx.maximum(K.matvec(x, w1), 0.0), w2) * 0.5
+
+    x = mx.random.normal((2, 32))
+    want = (mx.maximum(x @ w1.T, 0.0) @ w2.T) * 0.5
+    for _ in range(2):
+        assert mx.allclose(f(x), want, rtol=1e-5, atol=1e-4).item()
+
+
+def test_matvec_argument_errors(K):
+    x = mx.zeros((2, 8))
+    with pytest.raises(ValueError, match=r"\(2, 8\).*\(4, 7\)"):
+        K.matvec(x, mx.zeros((4, 7)))
+    with pytest.raises(ValueError, match=r"w \(2, 4, 8\)"):
+        K.matvec(x, mx.zeros((2, 4, 8)))
+    with pytest.raises(ValueError, match="float32"):
+        K.matvec(x.astype(mx.float16), mx.zeros((4, 8)))
+    with pytest.raises(ValueError, match="float32"):
+        K.matvec(x, mx.zeros((4, 8), dtype=mx.bfloat16))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_matvec_q_matches_quantized_matmul(K, bits, group_size):
+    for m, k, n in [(1, 128, 1), (2, 384, 67), (3, 256, 5), (4, 640, 130)]:
+        w = mx.random.normal((n, k))
+        wq, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+        x = mx.random.normal((m, k))
+        got = K.matvec_q(x, wq, s, b, group_size=group_size, bits=bits)
+        want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group_size, bits=bits)
+        _close(got, x, mx.dequantize(wq, s, b, group_size=group_size, bits=bits))
+        assert mx.allclose(got, want, rtol=1e-5, atol=2e-5 * np.sqrt(k)).item(), (m, k, n)
+
+
+def test_matvec_q_threaded_batched_lazy(K):
+    w = mx.random.normal((1536, 576)) * 0.05
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    x = mx.random.normal((2, 3, 576))
+    y = K.matvec_q(mx.sin(x), wq, s, b, group_size=64, bits=4) * 2 + 1
+    mx.async_eval(y)
+    want = mx.quantized_matmul(mx.sin(x), wq, s, b, transpose=True, group_size=64, bits=4) * 2 + 1
+    assert y.shape == (2, 3, 1536)
+    assert mx.allclose(y, want, rtol=1e-5, atol=1e-4).item()
+    # A row slice of the packed weights (unit-stride rows, other row stride still contiguous).
+    got = K.matvec_q(x, wq[100:300], s[100:300], b[100:300], group_size=64, bits=4)
+    want = mx.quantized_matmul(x, wq[100:300], s[100:300], b[100:300], transpose=True, group_size=64, bits=4)
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item()
+
+
+def test_matvec_q_argument_errors(K):
+    w = mx.random.normal((8, 128))
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    x = mx.zeros((1, 128))
+    with pytest.raises(ValueError, match="bits"):
+        K.matvec_q(x, wq, s, b, group_size=64, bits=3)
+    with pytest.raises(ValueError, match="group_size"):
+        K.matvec_q(x, wq, s, b, group_size=16, bits=4)
+    with pytest.raises(ValueError, match=r"x \(1, 64\)"):
+        K.matvec_q(mx.zeros((1, 64)), wq, s, b, group_size=64, bits=4)
+    with pytest.raises(ValueError, match="scales"):
+        K.matvec_q(x, wq, s[:, :1], b, group_size=64, bits=4)
+    with pytest.raises(ValueError, match="float32"):
+        K.matvec_q(x, wq, s.astype(mx.float16), b.astype(mx.float16), group_size=64, bits=4)
