@@ -1,0 +1,350 @@
+"""RotatingKVCache: sliding-window keys/values in a ring, with lazy snapshots.
+
+A sliding-window layer with window ``w`` lets the query at position ``p`` see keys at positions
+``(p - w, p]``, so after ``offset`` tokens only positions ``[offset - w + 1, offset)`` matter for
+what comes next. Storage layout (``S`` slots, ``first`` = the position stored in slot 0 when the
+layout was last made linear)::
+
+    slot(p) = (p - first) mod S          positions [lo, offset) are stored, offset - lo <= S
+
+* Single-token writes (decode) go into the ring: the buffer grows in ``STEP`` blocks up to ``w``
+  slots, then each write overwrites the position ``w`` back.
+* Multi-token writes (prefill chunks, verify blocks) first lay the ring out in logical order
+  (linearize when it has wrapped, drop the stale tail when it has not), keep the last ``w - 1``
+  old positions and append all new ones, so the first query of the batch still sees its whole
+  window. The buffer then holds ``w - 1 + n`` slots until the next single-token write trims it.
+
+The history returned to attention carries each slot's logical position (``-1`` for a slot whose
+position was overwritten or rewound away), so the shared SDPA helper applies the model's logical
+sliding-window mask whatever the storage order.
+
+Rewind (``restore(None, t)``) is an offset move whenever the window before ``t`` is still stored
+(always before the first wrap, and anywhere inside the last multi-token write, e.g. a verify
+block); otherwise it returns False and a snapshot is needed.
+
+Snapshots: the snapshot at ``end`` is the window ``[max(0, end - w + 1), end)``. It starts *lazy*
+(positions of the live buffer, zero bytes) and is copied out into compact arrays of its own just
+before a write would overwrite or drop any of its positions, before the buffer is replaced, and
+when the cache is freed.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from backend.caches.base import SnapshotSchedule
+
+STEP = 256
+
+
+class RotatingHistory:
+    """KV history in storage order plus each slot's logical position (None: slot i is position i)."""
+
+    __slots__ = ("keys", "values", "query_start", "num_queries", "_positions")
+
+    def __init__(self, keys: mx.array, values: mx.array, query_start: int, num_queries: int,
+                 positions: np.ndarray | None):
+        self.keys = keys
+        self.values = values
+        self.query_start = query_start
+        self.num_queries = num_queries
+        self._positions = positions
+
+    def key_positions(self) -> mx.array | None:
+        return None if self._positions is None else mx.array(self._positions, dtype=mx.int32)
+
+
+class RotatingSnapshot:
+    """The window ``[lo, end)`` as it stood at ``end`` (covering tokens ``[start, end)``)."""
+
+    def __init__(self, owner: "RotatingKVCache | None", start: int, end: int, lo: int,
+                 keys: mx.array | None = None, values: mx.array | None = None):
+        self.start = start
+        self.end = end
+        self.lo = lo
+        self._owner = owner
+        self._keys = keys
+        self._values = values
+
+    @property
+    def is_lazy(self) -> bool:
+        return self._owner is not None
+
+    @property
+    def nbytes(self) -> int:
+        if self._keys is None:
+            return 0
+        return self._keys.nbytes + self._values.nbytes
+
+    def arrays(self) -> tuple[mx.array, mx.array]:
+        """Keys and values of positions ``[lo, end)`` in logical order ``(B, H, end - lo, D)``."""
+        if self._owner is not None:
+            return self._owner._gather(self.lo, self.end)
+        if self._keys is None:
+            raise ValueError(f"snapshot [{self.start}, {self.end}) was closed")
+        return self._keys, self._values
+
+    def _copy_out(self) -> None:
+        keys, values = self._owner._gather(self.lo, self.end)
+        # contiguous allocates exactly this range (a slice alone would keep the ring alive).
+        self._keys, self._values = mx.contiguous(keys), mx.contiguous(values)
+        mx.eval(self._keys, self._values)
+        self._owner = None
+
+    def close(self) -> None:
+        if self._owner is not None:
+            self._owner._forget(self)
+        self._owner = None
+        self._keys = self._values = None
+
+
+class RotatingKVCache:
+    """Sliding-window cache; see the module docstring and ``caches.base`` for the contract."""
+
+    can_rewind = True  # within the stored window; restore says False beyond it
+
+    def __init__(self, window: int) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self.keys: mx.array | None = None  # (B, H, S, D)
+        self.values: mx.array | None = None
+        self._offset = 0
+        self._first = 0  # position stored in slot 0 of the current layout
+        self._lo = 0  # lowest position still stored
+        self._lazy: list[RotatingSnapshot] = []
+        self._schedule = SnapshotSchedule()
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def _slots(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def arrays(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys, self.values]
+
+    def stored_range(self) -> tuple[int, int]:
+        """Positions ``[lo, offset)`` the live buffer holds."""
+        return self._lo, self._offset
+
+    def _window_start(self, position: int) -> int:
+        """First position the window before ``position`` needs."""
+        return max(0, position - self.window + 1)
+
+    def _gather(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """Positions ``[start, end)`` (stored) in logical order, as lazy slices of the buffer."""
+        if end <= start:
+            empty = self.keys[..., :0, :], self.values[..., :0, :]
+            return empty
+        s = self._slots
+        first_slot = (start - self._first) % s
+        n = end - start
+        if first_slot + n <= s:
+            return (self.keys[..., first_slot:first_slot + n, :],
+                    self.values[..., first_slot:first_slot + n, :])
+        split = s - first_slot
+        keys = mx.concatenate([self.keys[..., first_slot:, :], self.keys[..., :n - split, :]], 2)
+        values = mx.concatenate([self.values[..., first_slot:, :],
+                                 self.values[..., :n - split, :]], 2)
+        return keys, values
+
+    def _forget(self, snapshot: RotatingSnapshot) -> None:
+        self._lazy = [s for s in self._lazy if s is not snapshot]
+
+    def _protect(self, overwrite_from: int, new_lo: int) -> None:
+        """Copy out lazy snapshots that need a position >= ``overwrite_from`` (about to be
+        rewritten) or < ``new_lo`` (about to be dropped)."""
+        keep = []
+        for snap in self._lazy:
+            if snap.end > overwrite_from or snap.lo < new_lo:
+                snap._copy_out()
+            else:
+                keep.append(snap)
+        self._lazy = keep
+
+    def _relayout(self, keep: int, extra: int, keys: mx.array | None = None,
+                  values: mx.array | None = None) -> None:
+        """New linear buffer: the last ``keep`` stored positions, then ``keys``/``values`` (or
+        ``extra`` empty slots)."""
+        start = self._offset - keep
+        parts_k, parts_v = [], []
+        if keep:
+            old_k, old_v = self._gather(start, self._offset)
+            parts_k.append(old_k)
+            parts_v.append(old_v)
+        if keys is not None:
+            parts_k.append(keys)
+            parts_v.append(values)
+        elif extra:
+            b, h, _, dk = self.keys.shape
+            parts_k.append(mx.zeros((b, h, extra, dk), self.keys.dtype))
+            parts_v.append(mx.zeros((b, h, extra, self.values.shape[3]), self.values.dtype))
+        self.keys = parts_k[0] if len(parts_k) == 1 else mx.concatenate(parts_k, axis=2)
+        self.values = parts_v[0] if len(parts_v) == 1 else mx.concatenate(parts_v, axis=2)
+        self._first = self._lo = start
+
+    # -- writing -------------------------------------------------------------------------------
+    def update(self, keys: mx.array, values: mx.array) -> RotatingHistory:
+        """Write ``keys``/``values`` ``(B, H, N, D)`` at the current offset."""
+        start, n = self._offset, keys.shape[2]
+        if n == 1 and self.keys is not None:
+            self._write_one(keys, values)
+        else:
+            keep = min(self.window - 1, start - self._lo)
+            self._protect(start, start - keep)
+            self._relayout(keep, 0, keys, values)
+        self._offset = start + n
+        self._capture_due(start, self._offset)
+        return self._history(start, n)
+
+    def _write_one(self, keys: mx.array, values: mx.array) -> None:
+        p, s = self._offset, self._slots
+        if p - self._first >= s and s != self.window:
+            keep = min(self.window - 1, p - self._lo)
+            if s > self.window:  # after a long multi-token write: trim to the window
+                self._protect(p, p - keep)
+                self._relayout(keep, self.window - keep)
+            else:  # still filling the first window: grow in place
+                self._relayout(p - self._first, min(self.window, s + STEP) - s)
+            s = self._slots
+        new_lo = max(self._lo, p - s + 1)
+        self._protect(p, new_lo)
+        slot = (p - self._first) % s
+        self.keys[..., slot:slot + 1, :] = keys
+        self.values[..., slot:slot + 1, :] = values
+        self._lo = new_lo
+
+    def _history(self, start: int, n: int) -> RotatingHistory:
+        s, end = self._slots, self._offset
+        filled = min(s, end - self._first)
+        keys, values = self.keys[..., :filled, :], self.values[..., :filled, :]
+        if self._first == 0 and self._lo == 0 and end <= s:
+            return RotatingHistory(keys, values, start, n, None)  # logical order from 0
+        slots = np.arange(filled)
+        positions = end - 1 - ((end - 1 - self._first - slots) % s)
+        positions = np.where(positions >= self._lo, positions, -1)
+        return RotatingHistory(keys, values, start, n, positions)
+
+    # -- snapshots -----------------------------------------------------------------------------
+    def _lazy_snapshot(self, start: int, end: int) -> RotatingSnapshot:
+        snap = RotatingSnapshot(self, start, end, self._window_start(end))
+        self._lazy.append(snap)
+        return snap
+
+    def _capture_due(self, old: int, new: int) -> None:
+        for offset in self._schedule.due(old, new):
+            snap = self._lazy_snapshot(self._schedule.segment_start(), offset)
+            self._schedule.mark_taken(offset, snap)
+
+    def prepare_snapshots(self, offsets: Sequence[int]) -> None:
+        self._schedule.prepare(offsets, self._offset)
+        self._capture_due(self._offset, self._offset)
+
+    def take_snapshots(self) -> list[RotatingSnapshot]:
+        return self._schedule.take()
+
+    def snapshot(self, start: int = 0) -> RotatingSnapshot:
+        """A lazy snapshot of the live window, covering ``[start, offset)``."""
+        if not 0 <= start <= self._offset:
+            raise ValueError(f"snapshot start {start} outside [0, {self._offset}]")
+        return self._lazy_snapshot(start, self._offset)
+
+    def _can_rewind_to(self, target: int) -> bool:
+        return target <= self._offset and self._window_start(target) >= self._lo
+
+    def restore(self, snapshot: RotatingSnapshot | None, target: int) -> bool:
+        if target < 0:
+            raise ValueError(f"restore target {target} is negative")
+        if snapshot is None:
+            if target > self._offset:
+                raise ValueError(f"cannot rewind forward: target {target} > offset {self._offset}")
+            if target == 0:
+                self._reset()
+                return True
+            if not self._can_rewind_to(target):
+                return False  # the window before target was overwritten
+            self._offset = target
+            return True
+        if not isinstance(snapshot, RotatingSnapshot):
+            raise TypeError(f"RotatingKVCache cannot restore a {type(snapshot).__name__}")
+        if not snapshot.start <= target <= snapshot.end:
+            raise ValueError(
+                f"target {target} outside snapshot range [{snapshot.start}, {snapshot.end}]")
+        if target == snapshot.end and snapshot._owner is self:
+            self._offset = target  # still lazy here: the live buffer holds that window
+            return True
+        if target == snapshot.end or snapshot.lo == 0:
+            # The snapshot alone holds the window before target.
+            self._load(snapshot, target)
+            return True
+        if snapshot.lo <= snapshot.start and self._can_rewind_to(snapshot.start):
+            # Window before target = live positions before start + the snapshot's [start, target).
+            keys, values = snapshot.arrays()
+            cut = slice(snapshot.start - snapshot.lo, target - snapshot.lo)
+            keys, values = keys[..., cut, :], values[..., cut, :]
+            self._offset = snapshot.start
+            if target > snapshot.start:
+                self.update(keys, values)
+            return True
+        return False
+
+    def _load(self, snapshot: RotatingSnapshot, target: int) -> None:
+        keys, values = snapshot.arrays()
+        lo = self._window_start(target)
+        keys = keys[..., lo - snapshot.lo:target - snapshot.lo, :]
+        values = values[..., lo - snapshot.lo:target - snapshot.lo, :]
+        if snapshot.is_lazy:  # views of a live buffer: take compact copies
+            keys, values = mx.contiguous(keys), mx.contiguous(values)
+        self._protect(-1, 0)  # the buffer is replaced: every lazy snapshot copies out
+        self.keys, self.values = keys, values
+        self._first = self._lo = lo
+        self._offset = target
+
+    def _reset(self) -> None:
+        self._protect(-1, 0)
+        self.keys = self.values = None
+        self._offset = self._first = self._lo = 0
+
+    def merge(self, first: RotatingSnapshot, second: RotatingSnapshot) -> RotatingSnapshot:
+        if first.end != second.start:
+            raise ValueError(f"snapshots [{first.start}, {first.end}) and "
+                             f"[{second.start}, {second.end}) are not adjacent")
+        merged = self._rebased(second, first.start)
+        first.close()
+        second.close()
+        return merged
+
+    def split(self, snapshot: RotatingSnapshot, at: int) -> tuple[None, RotatingSnapshot]:
+        """The window at ``at`` is not held by the snapshot: the first part is ``None``."""
+        if not snapshot.start < at < snapshot.end:
+            raise ValueError(f"split point {at} not inside [{snapshot.start}, {snapshot.end})")
+        second = self._rebased(snapshot, at)
+        snapshot.close()
+        return None, second
+
+    def _rebased(self, snapshot: RotatingSnapshot, start: int) -> RotatingSnapshot:
+        """The same window under a new start (shares the owner or the arrays)."""
+        if snapshot._owner is not None:
+            owner = snapshot._owner
+            rebased = RotatingSnapshot(owner, start, snapshot.end, snapshot.lo)
+            owner._lazy.append(rebased)
+            return rebased
+        keys, values = snapshot.arrays()
+        return RotatingSnapshot(None, start, snapshot.end, snapshot.lo, keys, values)
+
+    def free(self) -> None:
+        """Release the live buffer, first copying out every lazy snapshot that still needs it."""
+        self._reset()
