@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from backend.models import llama
+from backend.models import gemma3, llama, qwen3_moe, qwen3_next
 
-ARCHITECTURES: dict[str, ModuleType] = {name: llama for name in llama.MODEL_TYPES}
+ARCHITECTURES: dict[str, ModuleType] = {
+    name: module
+    for module in (llama, gemma3, qwen3_moe, qwen3_next)
+    for name in module.MODEL_TYPES
+}

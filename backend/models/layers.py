@@ -63,6 +63,8 @@ class AttentionShape:
     qk_norm_eps: float | None = None  # per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3)
     qk_norm_offset: float = 0.0
     scale: float | None = None  # defaults to head_dim ** -0.5
+    # q_proj also emits a per-head gate: out = o_proj(attn * sigmoid(gate)) (Qwen3-Next)
+    output_gate: bool = False
 
 
 class Attention(nn.Module):
@@ -71,7 +73,8 @@ class Attention(nn.Module):
         s = shape
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
         self.scale = s.scale if s.scale is not None else s.head_dim ** -0.5
-        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=s.qkv_bias)
+        q_width = s.num_heads * s.head_dim * (2 if s.output_gate else 1)
+        self.q_proj = nn.Linear(s.hidden_size, q_width, bias=s.qkv_bias)
         self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
         self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
         self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.out_bias)
@@ -79,12 +82,16 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(s.head_dim, s.qk_norm_eps, s.qk_norm_offset)
             self.k_norm = RMSNorm(s.head_dim, s.qk_norm_eps, s.qk_norm_offset)
         self.has_qk_norm = s.qk_norm_eps is not None
+        self.output_gate = s.output_gate
         self.rope = rope
         self.mask = mask
 
     def __call__(self, x: mx.array, cache: Cache) -> mx.array:
         b, n, _ = x.shape  # x: (B, N, hidden)
-        q = self.q_proj(x).reshape(b, n, self.num_heads, self.head_dim)
+        q = self.q_proj(x)
+        if self.output_gate:  # per head: [query (head_dim) | gate (head_dim)]
+            q, gate = mx.split(q.reshape(b, n, self.num_heads, 2 * self.head_dim), 2, axis=-1)
+        q = q.reshape(b, n, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
@@ -94,4 +101,7 @@ class Attention(nn.Module):
         q, k = self.rope(q, offset), self.rope(k, offset)
         history = cache.update(k, v)
         out = scaled_dot_product_attention(q, history, self.mask, self.scale)  # (B, H, N, D)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+        out = out.transpose(0, 2, 1, 3).reshape(b, n, -1)
+        if self.output_gate:
+            out = out * mx.sigmoid(gate.reshape(b, n, -1))
+        return self.o_proj(out)

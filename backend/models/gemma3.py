@@ -1,0 +1,165 @@
+"""Gemma 3 text decoder: interleaved sliding-window and global attention.
+
+Most layers attend within a sliding window (``RotatingKVCache``, RoPE base
+``rope_local_base_freq``); every ``sliding_window_pattern``-th layer attends globally (``KVCache``,
+RoPE base ``rope_theta`` with optional scaling). Gemma specifics: RMSNorms scale by
+``(1 + weight)``, a norm after attention and around the MLP (four per layer), per-head q/k norms,
+attention scaled by ``query_pre_attn_scalar ** -0.5``, embeddings scaled by ``sqrt(hidden)``
+(rounded to the compute dtype, as the reference does), GeGLU MLP, optional final logit
+soft-capping.
+
+Config layouts: newer Hugging Face configs list ``layer_types`` and nest RoPE settings per
+attention type (``rope_parameters: {"sliding_attention": {...}, "full_attention": {...}}``);
+older ones (and mlx-lm) give ``sliding_window_pattern``, ``rope_theta``, ``rope_local_base_freq``
+and ``rope_scaling`` at the top level. Both are read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from backend.caches.base import CAUSAL, Cache, sliding_window
+from backend.caches.kv import KVCache
+from backend.caches.rotating import RotatingKVCache
+from backend.errors import ModelLoadError
+from backend.models.base import args_from_config
+from backend.models.layers import Attention, AttentionShape, GatedMLP, RMSNorm
+from backend.models.rope import RoPE, RopeSettings, rope_settings
+
+MODEL_TYPES = ("gemma3_text",)
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    head_dim: int = 256
+    num_key_value_heads: int = 1
+    rms_norm_eps: float = 1e-6
+    query_pre_attn_scalar: float = 256.0
+    sliding_window: int = 4096
+    sliding_window_pattern: int = 6
+    layer_types: list[str] | None = None
+    max_position_embeddings: int = 131072
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    hidden_activation: str = "gelu_pytorch_tanh"
+    final_logit_softcapping: float | None = None
+    global_rope: RopeSettings = field(default_factory=lambda: RopeSettings(1000000.0))
+    local_rope: RopeSettings = field(default_factory=lambda: RopeSettings(10000.0))
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ModelArgs":
+        if config.get("attn_logit_softcapping") is not None:
+            raise ModelLoadError("Gemma attention logit soft-capping is not supported "
+                                 "(Gemma 3 checkpoints leave attn_logit_softcapping null)")
+        if config.get("use_bidirectional_attention"):
+            raise ModelLoadError("bidirectional (embedding) Gemma 3 models are not supported")
+        block = config.get("rope_parameters") or {}
+        if FULL in block or SLIDING in block:
+            global_rope = rope_settings({"rope_parameters": block.get(FULL) or {}}, 1000000.0)
+            local_rope = rope_settings({"rope_parameters": block.get(SLIDING) or {}}, 10000.0)
+        else:
+            global_rope = rope_settings(config, 1000000.0)
+            local_rope = RopeSettings(float(config.get("rope_local_base_freq", 10000.0)))
+        pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+        args = args_from_config(cls, {**config, "sliding_window_pattern": pattern},
+                                global_rope=global_rope, local_rope=local_rope)
+        if args.layer_types is None:
+            args.layer_types = [SLIDING if (i + 1) % args.sliding_window_pattern else FULL
+                                for i in range(args.num_hidden_layers)]
+        if len(args.layer_types) != args.num_hidden_layers or not set(args.layer_types) <= {
+                SLIDING, FULL}:
+            raise ModelLoadError(f"layer_types {args.layer_types} does not describe "
+                                 f"{args.num_hidden_layers} sliding/full attention layers")
+        return args
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_type: str):
+        super().__init__()
+        self.is_sliding = layer_type == SLIDING
+        shape = AttentionShape(
+            hidden_size=args.hidden_size,
+            num_heads=args.num_attention_heads,
+            num_kv_heads=args.num_key_value_heads,
+            head_dim=args.head_dim,
+            qkv_bias=args.attention_bias,
+            out_bias=args.attention_bias,
+            qk_norm_eps=args.rms_norm_eps,
+            qk_norm_offset=1.0,
+            scale=args.query_pre_attn_scalar ** -0.5,
+        )
+        rope = RoPE(args.head_dim, args.local_rope if self.is_sliding else args.global_rope)
+        mask = sliding_window(args.sliding_window) if self.is_sliding else CAUSAL
+        self.self_attn = Attention(shape, rope, mask)
+        self.mlp = GatedMLP(args.hidden_size, args.intermediate_size,
+                            activation=args.hidden_activation)
+        eps = args.rms_norm_eps
+        self.input_layernorm = RMSNorm(args.hidden_size, eps, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps, offset=1.0)
+        self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, eps, offset=1.0)
+        self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps, offset=1.0)
+
+    def __call__(self, x: mx.array, cache: Cache) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=1.0)
+        self.embed_scale = args.hidden_size ** 0.5
+
+    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+        h = self.embed_tokens(tokens)  # (B, N, hidden)
+        h = h * mx.array(self.embed_scale, mx.float32).astype(h.dtype)
+        for layer, cache in zip(self.layers, caches):
+            h = layer(h, cache)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+        return self.logits(self.hidden(tokens, caches))
+
+    def hidden(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+        """Final normed hidden states (B, N, hidden); prefill chunks stop here (no logits)."""
+        return self.model(tokens, caches)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            out = self.model.embed_tokens.as_linear(hidden)
+        else:
+            out = self.lm_head(hidden)
+        cap = self.args.final_logit_softcapping
+        return out if cap is None else mx.tanh(out / cap) * cap
+
+    def make_caches(self) -> list[Cache]:
+        return [RotatingKVCache(self.args.sliding_window) if layer.is_sliding else KVCache()
+                for layer in self.model.layers]
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return weights

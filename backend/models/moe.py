@@ -1,0 +1,151 @@
+"""Sparse mixture-of-experts block shared by Qwen3-MoE and Qwen3-Next.
+
+Experts are *stacked* per layer: one ``(experts, out, in)`` weight per projection, applied with
+MLX's gather matmuls (``mx.gather_mm``, or ``mx.gather_qmm`` once quantized), so a token only
+touches the rows of its top-k experts and the whole layer is a handful of kernels whatever the
+number of experts. Checkpoints that store one tensor per expert are stacked by the model's
+``sanitize`` (``stack_experts``).
+
+Quantization: ``SwitchLinear.to_quantized`` returns a ``QuantizedSwitchLinear`` (affine, 4 or
+8 bits, stacked ``weight``/``scales``/``biases`` as mx.quantize lays them out per expert), so the
+loader's ``nn.quantize(model, class_predicate=...)`` path quantizes stacked experts like any
+linear layer whenever ``<path>.scales`` is in the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from backend.models.layers import ACTIVATIONS, GatedMLP
+
+#: Token-expert pairs from which sorting by expert pays for itself in gather_mm.
+SORT_THRESHOLD = 64
+
+
+class SwitchLinear(nn.Module):
+    """``experts`` stacked linear maps without bias: weight ``(experts, out, in)``."""
+
+    def __init__(self, input_dims: int, output_dims: int, experts: int):
+        super().__init__()
+        scale = math.sqrt(1 / input_dims)
+        self.weight = mx.random.uniform(-scale, scale, (experts, output_dims, input_dims))
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        # x (..., 1, in) gathers against weight[indices] -> (..., 1, out)
+        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices,
+                            sorted_indices=sorted_indices)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4,
+                     mode: str = "affine") -> "QuantizedSwitchLinear":
+        experts, out, inp = self.weight.shape
+        q = QuantizedSwitchLinear(inp, out, experts, group_size, bits, mode)
+        q.weight, q.scales, q.biases = mx.quantize(self.weight, group_size, bits, mode=mode)
+        return q
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """Stacked experts quantized per expert row group: packed ``weight``, ``scales``, ``biases``."""
+
+    def __init__(self, input_dims: int, output_dims: int, experts: int, group_size: int = 64,
+                 bits: int = 4, mode: str = "affine"):
+        super().__init__()
+        if mode != "affine":
+            raise ValueError(f"stacked experts support affine quantization only, got {mode!r}")
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        packed = input_dims * bits // 32
+        self.weight = mx.zeros((experts, output_dims, packed), mx.uint32)
+        self.scales = mx.zeros((experts, output_dims, input_dims // group_size))
+        self.biases = mx.zeros((experts, output_dims, input_dims // group_size))
+        self.freeze()
+
+    def __call__(self, x: mx.array, indices: mx.array, sorted_indices: bool = False) -> mx.array:
+        return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices,
+                             transpose=True, group_size=self.group_size, bits=self.bits,
+                             sorted_indices=sorted_indices)
+
+
+class SwitchGLU(nn.Module):
+    """Gated MLP per expert: down(act(gate(x)) * up(x)) with stacked weights."""
+
+    def __init__(self, dims: int, hidden: int, experts: int, activation: str = "silu"):
+        super().__init__()
+        self.gate_proj = SwitchLinear(dims, hidden, experts)
+        self.up_proj = SwitchLinear(dims, hidden, experts)
+        self.down_proj = SwitchLinear(hidden, dims, experts)
+        self.activation = ACTIVATIONS[activation]
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        """``x`` (..., D), ``indices`` (..., k) -> (..., k, D): each token through its k experts."""
+        lead, k = indices.shape[:-1], indices.shape[-1]
+        if indices.size >= SORT_THRESHOLD:
+            # Group token-expert pairs by expert so each expert's rows are read once.
+            flat = indices.flatten()
+            order = mx.argsort(flat)
+            unsort = mx.argsort(order)
+            h = x.reshape(-1, 1, x.shape[-1])[order // k]  # (T*k, 1, D)
+            h = self._mlp(h, flat[order], sorted_indices=True)
+            return h[unsort].reshape(*lead, k, -1)
+        h = mx.expand_dims(x, (-2, -3))  # (..., 1, 1, D)
+        return self._mlp(h, indices, sorted_indices=False).squeeze(-2)  # (..., k, D)
+
+    def _mlp(self, h: mx.array, indices: mx.array, sorted_indices: bool) -> mx.array:
+        gate = self.gate_proj(h, indices, sorted_indices)
+        up = self.up_proj(h, indices, sorted_indices)
+        return self.down_proj(self.activation(gate) * up, indices, sorted_indices)
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts, optionally plus a sigmoid-gated shared expert (Qwen3-Next)."""
+
+    def __init__(self, dims: int, expert_hidden: int, experts: int, top_k: int,
+                 norm_topk_prob: bool, shared_hidden: int | None = None,
+                 activation: str = "silu"):
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = nn.Linear(dims, experts, bias=False)
+        self.switch_mlp = SwitchGLU(dims, expert_hidden, experts, activation)
+        self.has_shared = shared_hidden is not None
+        if self.has_shared:
+            self.shared_expert = GatedMLP(dims, shared_hidden, activation=activation)
+            self.shared_expert_gate = nn.Linear(dims, 1, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)  # (B, N, E)
+        top = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[..., :self.top_k]
+        scores = mx.take_along_axis(probs, top, axis=-1)  # (B, N, k)
+        if self.norm_topk_prob:
+            scores = scores / scores.sum(axis=-1, keepdims=True)
+        y = self.switch_mlp(x, top)  # (B, N, k, D)
+        y = (y * scores[..., None].astype(y.dtype)).sum(axis=-2)
+        if self.has_shared:
+            y = y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+
+def stack_experts(weights: dict[str, mx.array], prefix: str, experts: int,
+                  source: str = "experts", target: str = "switch_mlp") -> dict[str, mx.array]:
+    """Stack ``{prefix}.{source}.{e}.{proj}.{weight,scales,biases}`` into
+    ``{prefix}.{target}.{proj}.*`` and split a fused ``{source}.gate_up_proj`` ``(E, 2I, D)``
+    (transformers' in-memory layout) into gate and up. Other names pass through."""
+    out = dict(weights)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        for suffix in ("weight", "scales", "biases"):
+            names = [f"{prefix}.{source}.{e}.{proj}.{suffix}" for e in range(experts)]
+            if names[0] not in out:
+                continue
+            missing = [n for n in names if n not in out]
+            if missing:
+                raise ValueError(f"expert tensors missing: {missing[:3]}")
+            out[f"{prefix}.{target}.{proj}.{suffix}"] = mx.stack([out.pop(n) for n in names])
+    fused = f"{prefix}.{source}.gate_up_proj"
+    if fused in out:
+        gate_up = out.pop(fused)  # (E, 2I, D)
+        half = gate_up.shape[1] // 2
+        out[f"{prefix}.{target}.gate_proj.weight"] = gate_up[:, :half]
+        out[f"{prefix}.{target}.up_proj.weight"] = gate_up[:, half:]
+        out[f"{prefix}.{target}.down_proj.weight"] = out.pop(f"{prefix}.{source}.down_proj")
+    return out

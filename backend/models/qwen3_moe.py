@@ -1,0 +1,140 @@
+"""Qwen3-MoE: the Qwen3 decoder (q/k RMSNorm, no biases) with sparse mixture-of-experts MLPs.
+
+Layers selected by ``decoder_sparse_step`` and not in ``mlp_only_layers`` route each token to
+``num_experts_per_tok`` of ``num_experts`` stacked experts (``moe.py``); the others keep a dense
+gated MLP. Checkpoints name experts per index (``mlp.experts.{e}.{proj}``, Hugging Face) or
+stacked (``mlp.switch_mlp.{proj}``, mlx-lm); ``sanitize`` stacks the former.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from backend.caches.base import Cache
+from backend.caches.kv import KVCache
+from backend.errors import ModelLoadError
+from backend.models.base import args_from_config
+from backend.models.layers import Attention, AttentionShape, GatedMLP, RMSNorm
+from backend.models.moe import SparseMoE, stack_experts
+from backend.models.rope import RoPE, RopeSettings, rope_settings
+
+MODEL_TYPES = ("qwen3_moe",)
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    norm_topk_prob: bool = False
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    rope: RopeSettings = field(default_factory=lambda: RopeSettings(1000000.0))
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ModelArgs":
+        if config.get("use_sliding_window"):
+            raise ModelLoadError("Qwen3-MoE with use_sliding_window is not supported")
+        experts = config.get("num_experts", config.get("num_local_experts"))
+        args = args_from_config(cls, {**config, "num_experts": experts},
+                                rope=rope_settings(config, 1000000.0))
+        if args.num_key_value_heads is None:
+            args.num_key_value_heads = args.num_attention_heads
+        if args.head_dim is None:
+            args.head_dim = args.hidden_size // args.num_attention_heads
+        return args
+
+    def is_sparse(self, layer: int) -> bool:
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, index: int):
+        super().__init__()
+        shape = AttentionShape(
+            hidden_size=args.hidden_size,
+            num_heads=args.num_attention_heads,
+            num_kv_heads=args.num_key_value_heads,
+            head_dim=args.head_dim,
+            qkv_bias=args.attention_bias,
+            out_bias=args.attention_bias,
+            qk_norm_eps=args.rms_norm_eps,
+        )
+        self.self_attn = Attention(shape, RoPE(args.head_dim, args.rope))
+        if args.is_sparse(index):
+            self.mlp = SparseMoE(args.hidden_size, args.moe_intermediate_size, args.num_experts,
+                                 args.num_experts_per_tok, args.norm_topk_prob,
+                                 activation=args.hidden_act)
+        else:
+            self.mlp = GatedMLP(args.hidden_size, args.intermediate_size,
+                                activation=args.hidden_act)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache: Cache) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+        h = self.embed_tokens(tokens)  # (B, N, hidden)
+        for layer, cache in zip(self.layers, caches):
+            h = layer(h, cache)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+        return self.logits(self.hidden(tokens, caches))
+
+    def hidden(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+        """Final normed hidden states (B, N, hidden); prefill chunks stop here (no logits)."""
+        return self.model(tokens, caches)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    def make_caches(self) -> list[Cache]:
+        return [KVCache() for _ in self.model.layers]
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        for i in range(self.args.num_hidden_layers):
+            if self.args.is_sparse(i):
+                weights = stack_experts(weights, f"model.layers.{i}.mlp", self.args.num_experts)
+        return weights

@@ -1,0 +1,267 @@
+"""Qwen3-Next: a hybrid of gated-delta linear attention and gated full attention, with MoE.
+
+Layer mix (``layer_types``, or every ``full_attention_interval``-th layer full):
+
+* ``linear_attention`` — ``GatedDeltaNet`` on a ``RecurrentCache``: one projection gives q, k, v,
+  the output gate z and the per-head beta/decay inputs; q, k, v pass a causal depthwise conv
+  (kernel ``linear_conv_kernel_dim``) and SiLU; q and k are L2-normalised; the gated delta rule
+  (``caches/scan.py``) runs chunked in parallel for prefill and per token for decode; the output
+  is RMS-normed per head, gated by SiLU(z) and projected back.
+* ``full_attention`` — standard attention on a ``KVCache`` whose q projection also emits a
+  per-head sigmoid output gate, with (1 + w) q/k RMSNorms and partial rotary embeddings
+  (``partial_rotary_factor`` of each head).
+* MLP — sparse MoE with a sigmoid-gated shared expert (``moe.py``) on the layers selected by
+  ``decoder_sparse_step`` / ``mlp_only_layers``, a dense gated MLP elsewhere.
+
+Checkpoints: Hugging Face (per-expert tensors, conv weight ``(C, 1, K)``, norms stored as ``w``
+of ``(1 + w)``) and mlx-lm (stacked ``switch_mlp``, conv weight ``(C, K, 1)``, norms stored as
+``1 + w``) both load; ``sanitize`` tells them apart by the conv weight's layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from backend.caches.base import Cache
+from backend.caches.kv import KVCache
+from backend.caches.recurrent import RecurrentCache
+from backend.caches.scan import causal_conv1d, gated_delta
+from backend.errors import ModelLoadError
+from backend.models.base import args_from_config
+from backend.models.layers import Attention, AttentionShape, GatedMLP, RMSNorm
+from backend.models.moe import SparseMoE, stack_experts
+from backend.models.rope import RoPE, RopeSettings, rope_settings
+
+MODEL_TYPES = ("qwen3_next",)
+
+LINEAR, FULL = "linear_attention", "full_attention"
+
+#: Norms stored as (1 + w) by mlx-lm's conversion (and as w by Hugging Face).
+_OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight",
+                 "model.norm.weight", ".q_norm.weight", ".k_norm.weight")
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    linear_num_value_heads: int
+    linear_num_key_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int = 4
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    decoder_sparse_step: int = 1
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int | None = None
+    mlp_only_layers: list[int] = field(default_factory=list)
+    norm_topk_prob: bool = True
+    full_attention_interval: int = 4
+    layer_types: list[str] | None = None
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 32768
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    rope: RopeSettings = field(default_factory=lambda: RopeSettings(10000.0))
+
+    @classmethod
+    def from_config(cls, config: dict) -> "ModelArgs":
+        block = config.get("rope_parameters") or {}
+        factor = config.get("partial_rotary_factor", block.get("partial_rotary_factor", 0.25))
+        args = args_from_config(cls, config, rope=rope_settings(config, 10000.0),
+                                partial_rotary_factor=float(factor))
+        if args.head_dim is None:
+            args.head_dim = args.hidden_size // args.num_attention_heads
+        if args.layer_types is None:
+            args.layer_types = [FULL if (i + 1) % args.full_attention_interval == 0 else LINEAR
+                                for i in range(args.num_hidden_layers)]
+        if len(args.layer_types) != args.num_hidden_layers or not set(args.layer_types) <= {
+                LINEAR, FULL}:
+            raise ModelLoadError(f"layer_types {args.layer_types} does not describe "
+                                 f"{args.num_hidden_layers} linear/full attention layers")
+        if args.linear_num_value_heads % args.linear_num_key_heads:
+            raise ModelLoadError(
+                f"linear_num_value_heads {args.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads {args.linear_num_key_heads}")
+        return args
+
+    def is_sparse(self, layer: int) -> bool:
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head's values, then times SiLU(gate)."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.weight, self.eps) * nn.silu(gate.astype(mx.float32)
+                                                                    ).astype(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention with the gated delta rule; state in a ``RecurrentCache``."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = args.linear_num_key_heads, args.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = args.linear_key_head_dim, args.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        kernel = args.linear_conv_kernel_dim
+        self.in_proj_qkvz = nn.Linear(args.hidden_size, 2 * self.key_dim + 2 * self.value_dim,
+                                      bias=False)
+        self.in_proj_ba = nn.Linear(args.hidden_size, 2 * self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim,
+                                bias=False)  # weight (C, K, 1); applied by scan.causal_conv1d
+        self.dt_bias = mx.ones((self.num_v_heads,))
+        self.A_log = mx.zeros((self.num_v_heads,))
+        self.norm = GatedRMSNorm(self.head_v_dim, args.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, args.hidden_size, bias=False)
+
+    def _split_projections(self, x: mx.array):
+        b, n, _ = x.shape
+        hk, dk, dv = self.num_k_heads, self.head_k_dim, self.head_v_dim
+        per_k = self.num_v_heads // hk  # value heads per key head
+        # Checkpoint layout groups everything by key head: [q | k | v (per_k heads) | z (same)].
+        qkvz = self.in_proj_qkvz(x).reshape(b, n, hk, 2 * dk + 2 * per_k * dv)
+        q, k, v, z = mx.split(qkvz, [dk, 2 * dk, 2 * dk + per_k * dv], axis=-1)
+        ba = self.in_proj_ba(x).reshape(b, n, hk, 2 * per_k)
+        beta_in, decay_in = mx.split(ba, [per_k], axis=-1)
+        mixed = mx.concatenate([q.reshape(b, n, -1), k.reshape(b, n, -1),
+                                v.reshape(b, n, -1)], axis=-1)  # (B, N, conv_dim)
+        z = z.reshape(b, n, self.num_v_heads, dv)
+        return mixed, z, beta_in.reshape(b, n, -1), decay_in.reshape(b, n, -1)
+
+    def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
+        b, n, _ = x.shape
+        mixed, z, beta_in, decay_in = self._split_projections(x)
+        bounds = cache.boundaries(n)
+        conv_out, conv_states = causal_conv1d(mixed, self.conv1d.weight[..., 0], cache.conv,
+                                              bounds)
+        conv_out = nn.silu(conv_out)
+        q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
+        q = q.reshape(b, n, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(b, n, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(b, n, self.num_v_heads, self.head_v_dim)
+        # L2-normalise (eps 1e-6 on the sum of squares) and fold the readout scale into q:
+        # rms_norm with eps / D is sqrt(D) * l2norm.
+        inv = self.head_k_dim ** -0.5
+        q = mx.fast.rms_norm(q, None, 1e-6 * inv * inv) * (inv * inv)
+        k = mx.fast.rms_norm(k, None, 1e-6 * inv * inv) * inv
+        beta = mx.sigmoid(beta_in.astype(mx.float32))
+        log_g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(
+            decay_in.astype(mx.float32) + self.dt_bias.astype(mx.float32))
+        y, delta_states = gated_delta(q, k, v, log_g, beta, cache.delta, bounds)
+        cache.advance(n, conv_states, delta_states)
+        y = self.norm(y.astype(x.dtype), z)  # (B, N, Hv, Dv)
+        return self.out_proj(y.reshape(b, n, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, index: int):
+        super().__init__()
+        self.is_linear = args.layer_types[index] == LINEAR
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(args)
+        else:
+            shape = AttentionShape(
+                hidden_size=args.hidden_size,
+                num_heads=args.num_attention_heads,
+                num_kv_heads=args.num_key_value_heads,
+                head_dim=args.head_dim,
+                qkv_bias=args.attention_bias,
+                out_bias=args.attention_bias,
+                qk_norm_eps=args.rms_norm_eps,
+                qk_norm_offset=1.0,
+                output_gate=True,
+            )
+            rotary = int(args.head_dim * args.partial_rotary_factor)
+            self.self_attn = Attention(shape, RoPE(rotary, args.rope))
+        if args.is_sparse(index):
+            self.mlp = SparseMoE(args.hidden_size, args.moe_intermediate_size, args.num_experts,
+                                 args.num_experts_per_tok, args.norm_topk_prob,
+                                 args.shared_expert_intermediate_size or None, args.hidden_act)
+        else:
+            self.mlp = GatedMLP(args.hidden_size, args.intermediate_size,
+                                activation=args.hidden_act)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=1.0)
+
+    def __call__(self, x: mx.array, cache: Cache) -> mx.array:
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        h = x + mixer(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=1.0)
+
+    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+        h = self.embed_tokens(tokens)  # (B, N, hidden)
+        for layer, cache in zip(self.layers, caches):
+            h = layer(h, cache)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+        return self.logits(self.hidden(tokens, caches))
+
+    def hidden(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+        """Final normed hidden states (B, N, hidden); prefill chunks stop here (no logits)."""
+        return self.model(tokens, caches)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    def make_caches(self) -> list[Cache]:
+        return [RecurrentCache() if layer.is_linear else KVCache() for layer in self.model.layers]
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        weights = {k: v for k, v in weights.items()
+                   if not k.startswith("mtp.") and "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        for i in range(self.args.num_hidden_layers):
+            if self.args.is_sparse(i):
+                weights = stack_experts(weights, f"model.layers.{i}.mlp", self.args.num_experts)
+        convs = [k for k in weights if k.endswith("linear_attn.conv1d.weight")]
+        mlx_lm_layout = any(weights[k].shape[-1] == 1 for k in convs)
+        for key in convs:
+            if weights[key].shape[-1] != 1:  # Hugging Face (C, 1, K) -> (C, K, 1)
+                weights[key] = weights[key].moveaxis(2, 1)
+        if mlx_lm_layout:  # norms were stored as 1 + w; this module applies (1 + w) itself
+            for key in [k for k in weights if k.endswith(_OFFSET_NORMS)]:
+                weights[key] = weights[key] - 1.0
+        return weights
