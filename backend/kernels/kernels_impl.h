@@ -12,8 +12,10 @@
 //   MT_F32, MT_Q;          most x rows handled per tile (register budget)
 //   zero(), load(p), load_n(p, n) (first n lanes, rest 0), set1(f),
 //   fma(a, b, c) = a * b + c, sum(a) (horizontal add),
-//   u8(p)                  W bytes -> W floats
-//   u4(p, lo, hi)          W bytes -> low nibbles in lo, high nibbles in hi
+//   QGroup<BITS>, qgroup<BITS>(scale, bias)
+//                          per-(row, group) dequantization state
+//   q8(p, g)               W bytes -> W dequantized floats (scale * q + bias)
+//   q4(p, g, lo, hi)       W bytes -> dequantized low nibbles in lo, high in hi
 
 #define ARBOR_UNROLL _Pragma("GCC unroll 16")
 
@@ -103,7 +105,7 @@ void f32_rows(
 // Quantized tile. x rows are read in the order the ISA expects: natural for
 // 8 bits; for 4 bits each block of 2*W values is split into its even-indexed
 // values followed by its odd-indexed ones (see permute_q4 in kernels.cpp), which
-// matches the low/high nibble order u4() produces from W packed bytes.
+// matches the low/high nibble order q4() produces from W packed bytes.
 template <int ROWS, int MT, int BITS>
 inline void q_tile(
     const float* x, int64_t ldx, int64_t K, const uint8_t* wq, int64_t ldq,
@@ -114,18 +116,17 @@ inline void q_tile(
     ARBOR_UNROLL for (int m = 0; m < MT; ++m) acc[r][m] = V::zero();
   const int64_t groups = K / gs;
   for (int64_t g = 0; g < groups; ++g) {
-    typename V::R s[ROWS], b[ROWS];
-    ARBOR_UNROLL for (int r = 0; r < ROWS; ++r) {
-      s[r] = V::set1(scales[r * ldsb + g]);
-      b[r] = V::set1(biases[r * ldsb + g]);
-    }
+    // Per-row dequantization state for this group (scale and bias, or a table).
+    typename V::template QGroup<BITS> q[ROWS];
+    ARBOR_UNROLL for (int r = 0; r < ROWS; ++r)
+      q[r] = V::template qgroup<BITS>(scales[r * ldsb + g], biases[r * ldsb + g]);
     const int64_t k0 = g * gs, k1 = k0 + gs;
     if constexpr (BITS == 8) {
       for (int64_t k = k0; k < k1; k += V::W) {
         typename V::R xv[MT];
         ARBOR_UNROLL for (int m = 0; m < MT; ++m) xv[m] = V::load(x + m * ldx + k);
         ARBOR_UNROLL for (int r = 0; r < ROWS; ++r) {
-          typename V::R wv = V::fma(V::u8(wq + r * ldq + k), s[r], b[r]);
+          typename V::R wv = V::q8(wq + r * ldq + k, q[r]);
           ARBOR_UNROLL for (int m = 0; m < MT; ++m)
             acc[r][m] = V::fma(wv, xv[m], acc[r][m]);
         }
@@ -139,9 +140,7 @@ inline void q_tile(
         }
         ARBOR_UNROLL for (int r = 0; r < ROWS; ++r) {
           typename V::R lo, hi;
-          V::u4(wq + r * ldq + k / 2, lo, hi);
-          lo = V::fma(lo, s[r], b[r]);
-          hi = V::fma(hi, s[r], b[r]);
+          V::q4(wq + r * ldq + k / 2, q[r], lo, hi);
           ARBOR_UNROLL for (int m = 0; m < MT; ++m) {
             acc[r][m] = V::fma(lo, xe[m], acc[r][m]);
             acc[r][m] = V::fma(hi, xo[m], acc[r][m]);
