@@ -55,20 +55,25 @@ def test_quantized_folder_loads_as_is_and_matches_mlx_lm(tiny_model_dir, tmp_pat
                                                          monkeypatch):
     folder = write_quantized(tiny_model_dir("llama"), tmp_path / "q", bits, group)
     reference = mlx_lm_logits(folder)
-    dequantized = logits_of(folder)  # CPU default: dequantize to float32 at load time
+    # Without the native kernels the CPU path dequantizes to float32 at load time...
+    dequantized = logits_of(folder, cpu_kernels=False)
+    assert load_model(folder, cpu_kernels=False).quantization is None
+    # ...with them (or over the size limit) the weights stay quantized.
     monkeypatch.setenv("ARBOR_DEQUANTIZE_LIMIT", "0")
-    loaded = load_model(folder)
-    assert loaded.quantization is not None  # kept quantized this time
-    kept = logits_of(folder)
+    loaded = load_model(folder, cpu_kernels=False)
+    assert loaded.quantization is not None
+    kept = logits_of(folder, cpu_kernels=False)
+    with_kernels = logits_of(folder)
     # mlx-lm computes with bf16 scales, we with their exact float32 values.
     assert np.abs(dequantized - reference).max() < 0.05
     assert np.abs(kept - dequantized).max() < 1e-3
+    assert np.abs(with_kernels - dequantized).max() < 1e-3
     assert np.abs(reference).max() > 0.5
 
 
 def test_quantized_dequantize_is_exact_against_float_reference(tiny_model_dir, tmp_path):
     folder = write_quantized(tiny_model_dir("llama"), tmp_path / "q", 8, 32, mx.float32)
-    loaded = load_model(folder)
+    loaded = load_model(folder, cpu_kernels=False)
     params = dict(tree_flatten(loaded.model.parameters()))
     raw = mx.load(str(folder / "model.safetensors"))
     name = "model.layers.0.mlp.up_proj"

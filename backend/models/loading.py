@@ -8,7 +8,9 @@ Compute dtype: float32 on the CPU, where MLX's bf16/f16 matmuls and quantized ma
 reduced-precision scales are many times slower; bfloat16 on a GPU (float16 checkpoints keep
 float16). On the CPU, quantized weights are dequantized to float32 at load time when the result
 fits comfortably in memory (``ARBOR_DEQUANTIZE_LIMIT`` bytes, default 8 GiB), because that is
-the fastest compute path there; otherwise they stay quantized with float32 scales.
+the fastest path through MLX's own CPU ops; otherwise they stay quantized with float32 scales.
+When Arbor's native CPU kernels are built (``backend.kernels``), linear layers use them for
+decode instead (``cpu_linear.py``) and quantized weights stay quantized.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from backend import kernels
 from backend.errors import ModelLoadError, UnknownArchitectureError
 from backend.models import ARCHITECTURES
+from backend.models.cpu_linear import use_cpu_kernels
 from backend.models.files import check_safetensors, read_config, weight_files
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -72,8 +76,13 @@ def _should_dequantize(weights: dict[str, mx.array]) -> bool:
     return estimate <= limit
 
 
-def load_model(folder: str | Path, dtype: str | None = None) -> LoadedModel:
-    """Load ``folder``; every user-caused failure is a one-line ``ModelLoadError``."""
+def load_model(folder: str | Path, dtype: str | None = None,
+               cpu_kernels: bool | None = None) -> LoadedModel:
+    """Load ``folder``; every user-caused failure is a one-line ``ModelLoadError``.
+
+    ``cpu_kernels``: route linear layers through the native CPU kernels (None: when on the CPU
+    in float32 and the kernels are built; False: never, e.g. to compare against plain MLX).
+    """
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelLoadError(f"{folder}: not a model folder")
@@ -104,7 +113,12 @@ def load_model(folder: str | Path, dtype: str | None = None) -> LoadedModel:
     weights = model.sanitize(weights)
     source_quant = config.get("quantization") or config.get("quantization_config")
     quant = source_quant if any(k.endswith(".scales") for k in weights) else None
-    if quant is not None and _should_dequantize(weights):
+    # With the native kernels, quantized weights stay quantized on the CPU (decode streams
+    # fewer bytes); without them, dequantizing to float32 is the fastest CPU path.
+    if cpu_kernels is None or cpu_kernels:
+        cpu_kernels = (mx.default_device() == mx.cpu and compute == mx.float32
+                       and kernels.available())
+    if quant is not None and not cpu_kernels and _should_dequantize(weights):
         weights = _dequantize_all(weights, quant, compute)
         quant = None
     if quant is not None:
@@ -125,4 +139,6 @@ def load_model(folder: str | Path, dtype: str | None = None) -> LoadedModel:
     except ValueError as exc:
         raise ModelLoadError(f"{folder}: weights do not match the config ({str(exc)[:300]})") from None
     mx.eval(model.parameters())
+    if cpu_kernels:
+        use_cpu_kernels(model)
     return LoadedModel(model, config, folder, compute, quant, source_quant)

@@ -1,0 +1,124 @@
+"""CPU compute path for linear layers: native matvec kernels for decode, BLAS for prefill.
+
+Decode multiplies one (or, when verifying drafts, a few) activation rows by every weight
+matrix, so it is bound by how fast the weights stream from memory. Through BLAS sgemv that is
+well under the memory bandwidth on this class of CPU, and MLX's own quantized matmul on the CPU
+is slower still; the optional native kernels (``backend.kernels``) stream float32 and
+affine-quantized weights at close to bandwidth. Prefill (many rows) is compute bound and stays
+on BLAS sgemm: quantized weights are dequantized per call for it, which costs one pass over the
+weights per chunk and keeps only the quantized copy resident.
+
+``use_cpu_kernels(model)`` swaps every ``nn.Linear`` / ``nn.QuantizedLinear`` and the
+embedding's output projection (tied embeddings) for these modules. Parameter names do not
+change, so loading and saving are unaffected.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path
+
+from backend import kernels
+
+#: Up to this many activation rows go to the kernels (decode, draft verification).
+MAX_KERNEL_ROWS = 8
+
+
+def _rows(x: mx.array) -> int:
+    return x.size // x.shape[-1]
+
+
+def _dequantized(layer: nn.Module) -> mx.array:
+    return mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
+
+
+class KernelLinear(nn.Module):
+    """Float32 linear layer: kernel matvec for few rows, BLAS otherwise."""
+
+    def __init__(self, weight: mx.array, bias: mx.array | None):
+        super().__init__()
+        self.weight = weight  # (out, in)
+        if bias is not None:
+            self.bias = bias
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if _rows(x) <= MAX_KERNEL_ROWS:
+            y = kernels.matvec(x, self.weight)
+        else:
+            y = x @ self.weight.T
+        return y + self.bias if "bias" in self else y
+
+
+class KernelQuantizedLinear(nn.Module):
+    """Affine-quantized linear layer (float32 scales): kernel for few rows, else dequantize +
+    BLAS."""
+
+    def __init__(self, layer: nn.QuantizedLinear):
+        super().__init__()
+        self.group_size, self.bits = layer.group_size, layer.bits
+        self.weight, self.scales = layer.weight, layer.scales.astype(mx.float32)
+        self.biases = layer.biases.astype(mx.float32)
+        if "bias" in layer:
+            self.bias = layer.bias
+        self.freeze()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if _rows(x) <= MAX_KERNEL_ROWS:
+            y = kernels.matvec_q(x, self.weight, self.scales, self.biases, self.group_size,
+                                 self.bits)
+        else:
+            y = x @ _dequantized(self).T
+        return y + self.bias if "bias" in self else y
+
+
+class KernelEmbedding(nn.Embedding):
+    """Embedding whose tied output projection (``as_linear``) uses the kernel."""
+
+    def __init__(self, layer: nn.Embedding):
+        super().__init__(*layer.weight.shape)
+        self.weight = layer.weight
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if _rows(x) <= MAX_KERNEL_ROWS:
+            return kernels.matvec(x, self.weight)
+        return x @ self.weight.T
+
+
+class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
+    """Quantized embedding: lookups as MLX does them, the tied projection through the kernel."""
+
+    def __init__(self, layer: nn.QuantizedEmbedding):
+        num, dims = layer.num_embeddings, layer.dims
+        super().__init__(num, dims, layer.group_size, layer.bits)
+        self.weight, self.scales = layer.weight, layer.scales.astype(mx.float32)
+        self.biases = layer.biases.astype(mx.float32)
+        self.freeze()
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if _rows(x) <= MAX_KERNEL_ROWS:
+            return kernels.matvec_q(x, self.weight, self.scales, self.biases, self.group_size,
+                                    self.bits)
+        return x @ _dequantized(self).T
+
+
+def _swap(_path: str, module: nn.Module) -> nn.Module:
+    affine = getattr(module, "mode", "affine") == "affine"
+    if isinstance(module, nn.QuantizedLinear) and module.bits in (4, 8) and affine:
+        return KernelQuantizedLinear(module)
+    if isinstance(module, nn.Linear) and type(module) is nn.Linear:
+        return KernelLinear(module.weight, module.get("bias"))
+    if type(module) is nn.QuantizedEmbedding and module.bits in (4, 8) and affine:
+        return KernelQuantizedEmbedding(module)
+    if type(module) is nn.Embedding:
+        return KernelEmbedding(module)
+    return module
+
+
+def use_cpu_kernels(model: nn.Module) -> bool:
+    """Route the model's linear layers through the native kernels; False if unavailable."""
+    if not kernels.available():
+        return False
+    model.update_modules(tree_map_with_path(_swap, model.leaf_modules(),
+                                            is_leaf=nn.Module.is_module))
+    return True
