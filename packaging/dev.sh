@@ -38,15 +38,23 @@ install_python_deps() {
   echo "$want" > "$stamp"
 }
 
+build_kernels() {
+  # Optional native CPU kernels (fast decode); Arbor runs without them if this fails.
+  "$venv/bin/python" -m backend.kernels.build --quiet \
+    || echo "note: native CPU kernels not built; using plain MLX matmuls" >&2
+}
+
 install_openblas
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 case "$mode" in
   app)
     install_python_deps ""
+    build_kernels
     exec "$venv/bin/arbor" "$@"
     ;;
   test)
     install_python_deps "[test]"
+    build_kernels
     export QT_QPA_PLATFORM=offscreen
     exec "$venv/bin/python" -m pytest -q "$@"
     ;;
