@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from backend import blas
+from backend import blas, kernels
 from backend.api import GenerateRequest
 from backend.engine import Engine
 from backend.models.loading import load_model
@@ -148,8 +148,9 @@ def run(source: Path, work_dir: Path, formats: tuple[str, ...] = FORMATS, prompt
 
 
 def format_table(rows: list[Row], bandwidth_gbs: float) -> str:
-    lines = [f"BLAS: {blas.active_blas}   device: {mx.default_device()}   "
-             f"memory read bandwidth: {bandwidth_gbs:.1f} GB/s",
+    native = kernels.isa() or f"off ({kernels.unavailable_reason()})"
+    lines = [f"BLAS: {blas.active_blas}   native CPU kernels: {native}   "
+             f"device: {mx.default_device()}   memory read bandwidth: {bandwidth_gbs:.1f} GB/s",
              f"{'weights':9} {'engine':7} {'prefill tok/s':>13} {'decode tok/s':>12} "
              f"{'weights read':>12} {'ceiling':>8} {'of ceiling':>10}"]
     by_fmt: dict[str, dict[str, Row]] = {}
