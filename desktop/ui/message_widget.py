@@ -1,0 +1,257 @@
+"""One message in the chat view: text, reasoning, actions, branch navigation, statistics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QSizePolicy,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from desktop.reasoning import split_reasoning
+from desktop.store import PathItem
+from desktop.ui.markdown_render import MarkdownRenderer
+from desktop.ui.markdown_view import MarkdownView
+
+STATUS_NOTES = {
+    "cancelled": "stopped",
+    "interrupted": "interrupted (Arbor closed while this reply was written)",
+    "error": "failed",
+}
+
+
+def format_stats(stats: dict[str, Any] | None) -> str:
+    """The per-reply statistics line, e.g.
+    ``0.21 s to first token · 38.5 tok/s · 57 tokens · prompt 120 (96 cached)``."""
+    if not stats:
+        return ""
+    parts = []
+    if stats.get("generated_tokens"):
+        parts.append(f"{stats.get('ttft_s', 0.0):.2f} s to first token")
+        if stats.get("decode_tps"):
+            parts.append(f"{stats['decode_tps']:.1f} tok/s")
+        parts.append(f"{stats['generated_tokens']} tokens")
+    if stats.get("prompt_tokens") is not None:
+        cached = stats.get("cached_tokens") or 0
+        parts.append(f"prompt {stats['prompt_tokens']}" + (f" ({cached} cached)" if cached else ""))
+    if stats.get("drafted_tokens"):
+        drafted, accepted = stats["drafted_tokens"], stats.get("accepted_tokens", 0)
+        parts.append(f"drafted {drafted}, accepted {accepted} ({100.0 * accepted / drafted:.0f}%)")
+    if stats.get("finish_reason") == "length":
+        parts.append("hit max tokens")
+    return " · ".join(parts)
+
+
+def _small_button(text: str, accessible: str, tooltip: str) -> QToolButton:
+    button = QToolButton()
+    button.setText(text)
+    button.setAccessibleName(accessible)
+    button.setToolTip(tooltip)
+    button.setAutoRaise(True)
+    button.setCursor(Qt.CursorShape.PointingHandCursor)
+    return button
+
+
+class MessageWidget(QFrame):
+    """Shows one ``PathItem``; user actions leave as signals carrying message ids."""
+
+    copy_clicked = Signal(int)
+    edit_submitted = Signal(int, str)  # message id, new text (sent as a new branch)
+    regenerate_clicked = Signal(int)
+    sibling_requested = Signal(int)  # id of the sibling to show
+    code_copied = Signal(str)
+
+    def __init__(self, item: PathItem, renderer: MarkdownRenderer, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.item = item
+        self.streaming = False
+        self._renderer = renderer
+        self._shown: tuple[str, str, bool] | None = None
+        is_user = item.message.role == "user"
+        self.setObjectName("userMessage" if is_user else "assistantMessage")
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Maximum)
+
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(12, 8, 12, 8)
+        outer.setSpacing(4)
+
+        header = QHBoxLayout()
+        header.setSpacing(4)
+        self.speaker = QLabel()
+        self.speaker.setObjectName("speaker")
+        font = self.speaker.font()
+        font.setBold(True)
+        self.speaker.setFont(font)
+        self.note = QLabel()
+        self.note.setObjectName("statusNote")
+        header.addWidget(self.speaker)
+        header.addWidget(self.note)
+        header.addStretch(1)
+        self.previous_button = _small_button("‹", "Previous version", "Show the previous version")
+        self.branch_label = QLabel()
+        self.branch_label.setAccessibleName("Version")
+        self.next_button = _small_button("›", "Next version", "Show the next version")
+        self.copy_button = _small_button("Copy", "Copy message", "Copy this message")
+        self.edit_button = _small_button("Edit", "Edit message", "Edit and send as a new branch")
+        self.regenerate_button = _small_button("Regenerate", "Regenerate reply", "Write another reply (Ctrl+R)")
+        for widget in (self.previous_button, self.branch_label, self.next_button, self.copy_button,
+                       self.edit_button, self.regenerate_button):
+            header.addWidget(widget)
+        outer.addLayout(header)
+
+        self.reasoning_toggle = QToolButton()
+        self.reasoning_toggle.setCheckable(True)
+        self.reasoning_toggle.setAutoRaise(True)
+        self.reasoning_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.reasoning_toggle.setArrowType(Qt.ArrowType.RightArrow)
+        self.reasoning_toggle.setAccessibleName("Show reasoning")
+        self.reasoning_view = MarkdownView(renderer)
+        self.reasoning_view.setObjectName("reasoning")
+        self.reasoning_view.hide()
+        self.reasoning_toggle.toggled.connect(self._toggle_reasoning)
+        outer.addWidget(self.reasoning_toggle)
+        outer.addWidget(self.reasoning_view)
+
+        self.body = MarkdownView(renderer)
+        self.body.copy_requested.connect(self.code_copied)
+        outer.addWidget(self.body)
+
+        self.editor = QPlainTextEdit()
+        self.editor.setAccessibleName("Edit message text")
+        self.editor.setFixedHeight(110)
+        self.editor_buttons = QWidget()
+        row = QHBoxLayout(self.editor_buttons)
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addStretch(1)
+        self.cancel_edit_button = QPushButton("Cancel")
+        self.cancel_edit_button.setAccessibleName("Cancel edit")
+        self.send_edit_button = QPushButton("Send as new branch")
+        self.send_edit_button.setAccessibleName("Send edited message")
+        self.send_edit_button.setDefault(True)
+        row.addWidget(self.cancel_edit_button)
+        row.addWidget(self.send_edit_button)
+        outer.addWidget(self.editor)
+        outer.addWidget(self.editor_buttons)
+        self.editor.hide()
+        self.editor_buttons.hide()
+        QShortcut(QKeySequence("Ctrl+Return"), self.editor, activated=self._submit_edit)
+        QShortcut(QKeySequence(Qt.Key.Key_Escape), self.editor, activated=self.cancel_edit)
+
+        self.stats_label = QLabel()
+        self.stats_label.setObjectName("stats")
+        self.stats_label.setAccessibleName("Reply statistics")
+        self.stats_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        outer.addWidget(self.stats_label)
+
+        self.previous_button.clicked.connect(lambda: self._step_sibling(-1))
+        self.next_button.clicked.connect(lambda: self._step_sibling(+1))
+        self.copy_button.clicked.connect(self._copy)
+        self.edit_button.clicked.connect(self.begin_edit)
+        self.regenerate_button.clicked.connect(lambda: self.regenerate_clicked.emit(self.item.message.id))
+        self.cancel_edit_button.clicked.connect(self.cancel_edit)
+        self.send_edit_button.clicked.connect(self._submit_edit)
+        self.update_item(item, streaming=False, force=True)
+
+    # -- state -----------------------------------------------------------------------------------
+
+    @property
+    def message_id(self) -> int:
+        return self.item.message.id
+
+    def update_item(self, item: PathItem, *, streaming: bool, force: bool = False) -> None:
+        """Show ``item`` (the same message with new text or siblings, or another message)."""
+        self.item = item
+        self.streaming = streaming
+        message = item.message
+        is_user = message.role == "user"
+        self.speaker.setText("You" if is_user else (message.model or "Assistant"))
+        note = "writing…" if streaming else STATUS_NOTES.get(message.status, "")
+        if message.status == "error" and message.error:
+            note = f"failed: {message.error}"
+        self.note.setText(note)
+        self.note.setVisible(bool(note))
+        count, index = item.sibling_count, item.sibling_index
+        for widget in (self.previous_button, self.branch_label, self.next_button):
+            widget.setVisible(count > 1)
+        self.branch_label.setText(f"{index + 1}/{count}")
+        self.previous_button.setEnabled(index > 0)
+        self.next_button.setEnabled(index < count - 1)
+        self.edit_button.setVisible(is_user)
+        self.regenerate_button.setVisible(not is_user)
+        self.regenerate_button.setEnabled(not streaming)
+        self.edit_button.setEnabled(not streaming)
+        shown = (message.content, message.role, streaming)
+        if force or shown != self._shown:
+            self._shown = shown
+            self._show_text(message.content, is_user, streaming)
+        self.stats_label.setText(format_stats(message.stats) if not is_user else "")
+        self.stats_label.setVisible(not is_user and bool(message.stats))
+
+    def _show_text(self, content: str, is_user: bool, streaming: bool) -> None:
+        reasoning, answer = ("", content) if is_user else split_reasoning(content)
+        has_reasoning = bool(reasoning) or (not is_user and content.lstrip().startswith(("<think>", "<thinking>", "<reasoning>")))
+        self.reasoning_toggle.setVisible(has_reasoning)
+        if has_reasoning:
+            thinking = streaming and not answer
+            self.reasoning_toggle.setText("Thinking…" if thinking else "Reasoning")
+            self.reasoning_view.set_markdown(reasoning, streaming=streaming)
+        self.body.set_markdown(answer, streaming=streaming)
+        self.body.setVisible(bool(answer) or not has_reasoning)
+
+    def set_renderer(self, renderer: MarkdownRenderer) -> None:
+        self._renderer = renderer
+        self.body.set_renderer(renderer)
+        self.reasoning_view.set_renderer(renderer)
+
+    # -- actions ---------------------------------------------------------------------------------
+
+    def _toggle_reasoning(self, shown: bool) -> None:
+        self.reasoning_view.setVisible(shown)
+        self.reasoning_toggle.setArrowType(Qt.ArrowType.DownArrow if shown else Qt.ArrowType.RightArrow)
+        self.reasoning_toggle.setAccessibleName("Hide reasoning" if shown else "Show reasoning")
+
+    def _step_sibling(self, step: int) -> None:
+        index = self.item.sibling_index + step
+        if 0 <= index < len(self.item.sibling_ids):
+            self.sibling_requested.emit(self.item.sibling_ids[index])
+
+    def _copy(self) -> None:
+        content = self.item.message.content
+        if self.item.message.role == "assistant":
+            content = split_reasoning(content)[1]
+        QGuiApplication.clipboard().setText(content)
+        self.copy_clicked.emit(self.item.message.id)
+
+    def begin_edit(self) -> None:
+        self.editor.setPlainText(self.item.message.content)
+        self.body.hide()
+        self.editor.show()
+        self.editor_buttons.show()
+        self.editor.setFocus()
+
+    def cancel_edit(self) -> None:
+        self.editor.hide()
+        self.editor_buttons.hide()
+        self.body.show()
+
+    @property
+    def editing(self) -> bool:
+        return self.editor.isVisible() or not self.editor.isHidden()
+
+    def _submit_edit(self) -> None:
+        text = self.editor.toPlainText()
+        if not text.strip():
+            return
+        self.cancel_edit()
+        self.edit_submitted.emit(self.item.message.id, text)
