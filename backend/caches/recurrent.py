@@ -128,7 +128,10 @@ class RecurrentCache:
         if snapshot is None:
             if target > self._offset:
                 raise ValueError(f"cannot rewind forward: target {target} > offset {self._offset}")
-            return target == self._offset  # a recurrent state only moves forward
+            if target == 0:
+                self.free()  # the empty state is always known
+                return True
+            return target == self._offset  # otherwise a recurrent state only moves forward
         if not isinstance(snapshot, RecurrentSnapshot):
             raise TypeError(f"RecurrentCache cannot restore a {type(snapshot).__name__}")
         if not snapshot.start <= target <= snapshot.end:
