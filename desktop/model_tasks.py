@@ -98,10 +98,12 @@ class ModelTaskRunner(QObject):
         self._worker.moveToThread(self._thread)
         self._thread.finished.connect(self._worker.deleteLater)
         self._submit.connect(self._worker.run)
+        # Bound slots of this GUI-thread object: Qt queues the worker's signals to this thread.
+        # (A lambda here would run on the task thread and re-emit from there.)
         self._worker.progress.connect(self.progress)
-        self._worker.done.connect(lambda t, r: self._finish(t) or self.done.emit(t, r))
-        self._worker.failed.connect(lambda t, m: self._finish(t) or self.failed.emit(t, m))
-        self._worker.cancelled.connect(lambda t: self._finish(t) or self.cancelled.emit(t))
+        self._worker.done.connect(self._on_done)
+        self._worker.failed.connect(self._on_failed)
+        self._worker.cancelled.connect(self._on_cancelled)
         self._thread.start()
 
     # -- jobs ------------------------------------------------------------------------------------
@@ -152,5 +154,17 @@ class ModelTaskRunner(QObject):
         self._submit.emit(task_id, job, cancel)
         return task_id
 
-    def _finish(self, task_id: int) -> None:
+    @Slot(int, object)
+    def _on_done(self, task_id: int, result: Any) -> None:
         self._cancels.pop(task_id, None)
+        self.done.emit(task_id, result)
+
+    @Slot(int, str)
+    def _on_failed(self, task_id: int, message: str) -> None:
+        self._cancels.pop(task_id, None)
+        self.failed.emit(task_id, message)
+
+    @Slot(int)
+    def _on_cancelled(self, task_id: int) -> None:
+        self._cancels.pop(task_id, None)
+        self.cancelled.emit(task_id)
