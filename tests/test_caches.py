@@ -434,3 +434,31 @@ def test_recurrent_conv_snapshot_does_not_keep_the_input_alive():
     held, nbytes = _active_bytes_held(make)
     assert nbytes == 3 * 128 * 4 + 16
     assert held <= nbytes + 4096, (held, nbytes)
+
+
+# -- the SDPA helper's query blocking (CPU) --------------------------------------------------------
+
+@pytest.mark.parametrize("kind,window", [("kv", None), ("kv", 5), ("rotating", 5)])
+def test_query_blocks_give_the_unblocked_result(monkeypatch, kind, window):
+    from backend.caches import attention
+    from backend.caches.base import CAUSAL
+
+    mask = CAUSAL if window is None else sliding_window(window)
+    make = (lambda: KVCache()) if kind == "kv" else (lambda: RotatingKVCache(window))
+    rng = np.random.default_rng(0)
+    keys = mx.array(rng.normal(size=(1, HEADS, 60, DIM)).astype(np.float32))
+    values = mx.array(rng.normal(size=(1, HEADS, 60, DIM)).astype(np.float32))
+    q = mx.array(rng.normal(size=(1, HEADS, 60, DIM)).astype(np.float32))
+
+    def run(block: int) -> mx.array:
+        monkeypatch.setattr(attention, "QUERY_BLOCK", block)
+        cache, outs = make(), []
+        for start, n in ((0, 13), (13, 1), (14, 40), (54, 6)):  # prefix, then long writes
+            history = cache.update(keys[..., start:start + n, :], values[..., start:start + n, :])
+            if n > block:
+                assert attention.query_blocks(history, mask) is not None
+            outs.append(scaled_dot_product_attention(q[..., start:start + n, :], history, mask,
+                                                     0.5))
+        return mx.concatenate(outs, axis=2)
+
+    assert np.allclose(np.array(run(4)), np.array(run(10**6)), atol=1e-5)

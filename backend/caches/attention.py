@@ -9,11 +9,17 @@ Models describe their mask logically (``AttentionMask``: causal, sliding window,
 * ``"causal"``     when storage is contiguous from position 0 and no window cuts in (MLX's causal
                    mask is lower-right aligned, which is exactly "query i sees keys <= its position");
 * a boolean mask   otherwise, built from logical query and key positions.
+
+On the CPU, MLX's attention materializes the whole (queries x keys) score matrix and spends
+most of its time in the softmax's exponentials, so a long causal prefill wastes the masked half
+(and a sliding window most of it). There, runs of more than ``QUERY_BLOCK`` queries are cut into
+blocks that each attend only to the keys their mask can reach (same result, less work).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from backend.caches.base import AttentionMask, KVHistory
 
@@ -57,9 +63,63 @@ def attention_mask(history: KVHistory, mask: AttentionMask,
     return allowed
 
 
+QUERY_BLOCK = 256
+
+
+class _KeyRange:
+    """A block of queries with the slice of the history its mask can reach (a KVHistory)."""
+
+    __slots__ = ("keys", "values", "query_start", "num_queries", "_positions")
+
+    def __init__(self, keys: mx.array, values: mx.array, query_start: int, num_queries: int,
+                 positions: mx.array | None):
+        self.keys, self.values = keys, values
+        self.query_start, self.num_queries = query_start, num_queries
+        self._positions = positions
+
+    def key_positions(self) -> mx.array | None:
+        return self._positions
+
+
+def query_blocks(history: KVHistory, mask: AttentionMask) -> list[_KeyRange] | None:
+    """Cut a long causal run of queries into blocks with their reachable key slices, or None
+    when blocking does not apply (short runs, no causal mask, non-CPU device, storage whose
+    slots are not consecutive positions)."""
+    n_q, start = history.num_queries, history.query_start
+    if n_q <= QUERY_BLOCK or mask.kind != "causal" or mx.default_device() != mx.cpu:
+        return None
+    positions = history.key_positions()
+    first = 0  # slot i holds position first + i
+    if positions is not None:
+        p = np.array(positions)
+        if p.size == 0 or p[0] < 0 or np.any(np.diff(p) != 1):
+            return None
+        first = int(p[0])
+    n_keys = history.keys.shape[2]
+    blocks = []
+    for s in range(0, n_q, QUERY_BLOCK):
+        e = min(n_q, s + QUERY_BLOCK)
+        hi = min(start + e, first + n_keys)  # keys after the block's last query are masked
+        lo = first if mask.window is None else max(first, start + s - mask.window + 1)
+        keys = history.keys[..., lo - first:hi - first, :]
+        values = history.values[..., lo - first:hi - first, :]
+        sub = None if lo == 0 else mx.arange(lo, hi, dtype=mx.int32)
+        blocks.append(_KeyRange(keys, values, start + s, e - s, sub))
+    return blocks
+
+
 def scaled_dot_product_attention(queries: mx.array, history: KVHistory, mask: AttentionMask,
                                  scale: float, key_padding: mx.array | None = None) -> mx.array:
     """``queries`` (B, n_heads, Q, D) against the cache history -> (B, n_heads, Q, Dv)."""
+    blocks = None if key_padding is not None else query_blocks(history, mask)
+    if blocks is not None:
+        outs = []
+        for block in blocks:
+            q0 = block.query_start - history.query_start
+            outs.append(mx.fast.scaled_dot_product_attention(
+                queries[..., q0:q0 + block.num_queries, :], block.keys, block.values,
+                scale=scale, mask=attention_mask(block, mask)))
+        return mx.concatenate(outs, axis=2)
     return mx.fast.scaled_dot_product_attention(
         queries, history.keys, history.values, scale=scale,
         mask=attention_mask(history, mask, key_padding))
