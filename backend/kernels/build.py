@@ -185,23 +185,43 @@ print(mod.isa())
 """
 
 
+def is_up_to_date() -> bool:
+    """True when the built module matches the sources, MLX and Python in use."""
+    if not module_path().is_file() or not INFO_FILE.is_file():
+        return False
+    try:
+        have = json.loads(INFO_FILE.read_text())
+    except (OSError, ValueError):
+        return False
+    return all(have.get(k) == v for k, v in expected_info().items())
+
+
 def build(quiet: bool = False, force: bool = False) -> Path:
-    """Builds the extension if it is missing or stale; returns its path. Raises BuildError."""
+    """Builds the extension if it is missing or stale; returns its path. Raises BuildError.
+
+    Concurrent callers (two app instances, parallel test workers) serialise on a lock
+    file; the second finds the module up to date.
+    """
     ok, why = supported_platform()
     if not ok:
         raise BuildError(why)
+    _mlx_paths()
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    import fcntl
+
+    with open(BUILD_DIR / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not force and is_up_to_date():
+            if not quiet:
+                print(f"up to date: {module_path()}")
+            return module_path()
+        return _build_locked(quiet)
+
+
+def _build_locked(quiet: bool) -> Path:
     include, lib, core_so = _mlx_paths()
     want = expected_info()
     target = module_path()
-    if not force and target.is_file() and INFO_FILE.is_file():
-        try:
-            have = json.loads(INFO_FILE.read_text())
-        except (OSError, ValueError):
-            have = {}
-        if all(have.get(k) == v for k, v in want.items()):
-            if not quiet:
-                print(f"up to date: {target}")
-            return target
 
     cxx = _find_compiler().split()
     nb_version, nb_inc, robin_inc, nb_combined = _nanobind_paths(core_so)
@@ -209,7 +229,6 @@ def build(quiet: bool = False, force: bool = False) -> Path:
     if not (Path(py_inc) / "Python.h").is_file():
         raise BuildError(f"Python headers not found ({py_inc}/Python.h); install python3-dev")
 
-    BUILD_DIR.mkdir(parents=True, exist_ok=True)
     (BUILD_DIR / ".gitignore").write_text("*\n")
     t0 = time.monotonic()
 
@@ -244,6 +263,9 @@ def build(quiet: bool = False, force: bool = False) -> Path:
         _run_parallel(jobs, quiet)
         if not nb_obj.is_file():
             os.replace(tmp / "nanobind.o", nb_obj)
+            for old in BUILD_DIR.glob("nanobind-*.o"):  # other nanobind/Python/compiler builds
+                if old != nb_obj:
+                    old.unlink(missing_ok=True)
 
         out_tmp = tmp / target.name
         link = cxx + ["-shared", "-o", str(out_tmp), *map(str, objs), str(nb_obj),

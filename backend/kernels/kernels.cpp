@@ -2,6 +2,7 @@
 // row partitioning of one product across it.
 #include "kernels.h"
 
+#include <pthread.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -74,8 +75,16 @@ class Pool {
   using Fn = void (*)(void* ctx, int64_t chunk);
 
   static Pool& get() {
-    static Pool* pool = new Pool();  // never destroyed: workers may outlive exit
-    return *pool;
+    // Never destroyed: workers may outlive exit. A forked child has none of the
+    // parent's threads (and maybe a mutex held by one), so it starts afresh.
+    static std::once_flag once;
+    std::call_once(once, [] {
+      instance_.store(new Pool(), std::memory_order_release);
+      pthread_atfork(nullptr, nullptr, [] {
+        instance_.store(new Pool(), std::memory_order_release);
+      });
+    });
+    return *instance_.load(std::memory_order_acquire);
   }
 
   // Runs fn(ctx, c) for every chunk c in [0, chunks) using up to `threads`
@@ -161,6 +170,8 @@ class Pool {
       work_on(job);
     }
   }
+
+  static inline std::atomic<Pool*> instance_{nullptr};
 
   std::mutex run_mutex_;
   int workers_ = 0;
