@@ -42,6 +42,7 @@ class AppParts:
         """Stop replies and threads, close the store; False if the worker missed the deadline."""
         self.window.controller.stop_all()
         stopped = self.client.shutdown(deadline_s)
+        self.window.controller.close()
         self.tasks.shutdown(min(deadline_s, 2.0))
         self.store.purge_deleted()
         self.store.close()

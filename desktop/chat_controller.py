@@ -82,14 +82,28 @@ class ChatController(QObject):
         self._replies: dict[int, ActiveReply] = {}  # request id -> reply
         self._titles: dict[int, int] = {}  # title request id -> conversation id
         self._loads: dict[int, str | None] = {}
-        client.model_loading.connect(self._on_model_loading)
-        client.model_loaded.connect(self._on_model_loaded)
-        client.model_failed.connect(self._on_model_failed)
-        client.started.connect(self._on_started)
-        client.token.connect(self._on_token)
-        client.finished.connect(self._on_finished)
-        client.cancelled.connect(self._on_cancelled)
-        client.errored.connect(self._on_errored)
+        self._connections = [
+            (client.model_loading, self._on_model_loading),
+            (client.model_loaded, self._on_model_loaded),
+            (client.model_failed, self._on_model_failed),
+            (client.started, self._on_started),
+            (client.token, self._on_token),
+            (client.finished, self._on_finished),
+            (client.cancelled, self._on_cancelled),
+            (client.errored, self._on_errored),
+        ]
+        for signal, slot in self._connections:
+            signal.connect(slot)
+
+    def close(self) -> None:
+        """Stop listening to the worker (before the store closes: signals still queued from the
+        worker thread must not write to a closed store). Idempotent."""
+        for signal, slot in self._connections:
+            try:
+                signal.disconnect(slot)
+            except (RuntimeError, TypeError):
+                pass
+        self._connections = []
 
     # -- queries ---------------------------------------------------------------------------------
 

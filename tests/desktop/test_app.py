@@ -55,7 +55,8 @@ def send(qtbot, window, text: str) -> None:
 
 
 def wait_idle(qtbot, window, timeout=20000) -> None:
-    qtbot.waitUntil(lambda: not window.controller.busy, timeout=timeout)
+    """Until no reply and no auto-title request is queued or running."""
+    qtbot.waitUntil(lambda: not window.client.busy, timeout=timeout)
 
 
 def path_texts(window) -> list[tuple[str, str]]:
