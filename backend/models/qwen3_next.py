@@ -138,17 +138,11 @@ class GatedDeltaNet(nn.Module):
 
     def _split_projections(self, x: mx.array):
         b, n, _ = x.shape
-        hk, dk, dv = self.num_k_heads, self.head_k_dim, self.head_v_dim
-        per_k = self.num_v_heads // hk  # value heads per key head
-        # Checkpoint layout groups everything by key head: [q | k | v (per_k heads) | z (same)].
-        qkvz = self.in_proj_qkvz(x).reshape(b, n, hk, 2 * dk + 2 * per_k * dv)
-        q, k, v, z = mx.split(qkvz, [dk, 2 * dk, 2 * dk + per_k * dv], axis=-1)
-        ba = self.in_proj_ba(x).reshape(b, n, hk, 2 * per_k)
-        beta_in, decay_in = mx.split(ba, [per_k], axis=-1)
-        mixed = mx.concatenate([q.reshape(b, n, -1), k.reshape(b, n, -1),
-                                v.reshape(b, n, -1)], axis=-1)  # (B, N, conv_dim)
-        z = z.reshape(b, n, self.num_v_heads, dv)
-        return mixed, z, beta_in.reshape(b, n, -1), decay_in.reshape(b, n, -1)
+        qkvz = self.in_proj_qkvz(x)  # [q | k | v | z] (rows reordered by sanitize)
+        mixed = qkvz[..., :self.conv_dim]  # (B, N, conv_dim): what the conv sees
+        z = qkvz[..., self.conv_dim:].reshape(b, n, self.num_v_heads, self.head_v_dim)
+        beta_in, decay_in = mx.split(self.in_proj_ba(x), 2, axis=-1)  # [b | a], (B, N, Hv) each
+        return mixed, z, beta_in, decay_in
 
     def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
         b, n, _ = x.shape
@@ -248,9 +242,34 @@ class Model(nn.Module):
     def make_caches(self) -> list[Cache]:
         return [RecurrentCache() if layer.is_linear else KVCache() for layer in self.model.layers]
 
+    def _grouping_orders(self) -> tuple[mx.array, mx.array]:
+        """Row orders taking the checkpoint's per-key-head grouping of ``in_proj_qkvz``
+        ([q_h | k_h | v_h... | z_h...] for each key head h) and ``in_proj_ba`` ([b_h... | a_h...])
+        to the grouping by kind this module uses ([all q | all k | all v | all z], [b | a]), so
+        the conv input is one contiguous slice of one matmul instead of a gathered copy."""
+        a = self.args
+        hk, dk, dv = a.linear_num_key_heads, a.linear_key_head_dim, a.linear_value_head_dim
+        per_k = a.linear_num_value_heads // hk
+        widths = [dk, dk, per_k * dv, per_k * dv]
+        group = sum(widths)
+        qkvz = []
+        for part, width in enumerate(widths):
+            offset = sum(widths[:part])
+            qkvz += [h * group + offset + i for h in range(hk) for i in range(width)]
+        ba = [h * 2 * per_k + part * per_k + i
+              for part in range(2) for h in range(hk) for i in range(per_k)]
+        return mx.array(qkvz), mx.array(ba)
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = {k: v for k, v in weights.items()
                    if not k.startswith("mtp.") and "rotary_emb.inv_freq" not in k}
+        qkvz_rows, ba_rows = self._grouping_orders()
+        for key in list(weights):
+            # Output rows (and their quantization scales/biases, which are per row) reorder.
+            if ".linear_attn.in_proj_qkvz." in key:
+                weights[key] = weights[key][qkvz_rows]
+            elif ".linear_attn.in_proj_ba." in key:
+                weights[key] = weights[key][ba_rows]
         if self.args.tie_word_embeddings:
             weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
         for i in range(self.args.num_hidden_layers):
