@@ -1,5 +1,5 @@
-"""Native MLX CPU kernels (backend.kernels): numerics against MLX and float64, strided and
-batched inputs, laziness under async_eval and mx.compile, argument checks, and the
+"""Native MLX CPU kernels (backend.kernels): numerics against MLX and float64 (float32,
+bfloat16 and float16 weights), strided and batched inputs, laziness under async_eval and mx.compile, argument checks, and the
 quantized variant against mx.quantized_matmul. Skipped where the extension cannot be
 built (no compiler or nanobind, macOS, non-x86)."""
 
@@ -150,7 +150,22 @@ def test_matvec_argument_errors(K):
     with pytest.raises(ValueError, match="float32"):
         K.matvec(x.astype(mx.float16), mx.zeros((4, 8)))
     with pytest.raises(ValueError, match="float32"):
-        K.matvec(x, mx.zeros((4, 8), dtype=mx.bfloat16))
+        K.matvec(x, mx.zeros((4, 8), dtype=mx.int32))
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_matvec_16bit_weights(K, dtype):
+    # 16-bit weights widen exactly, so the result is x @ w.astype(float32).T in float32.
+    for m, k, n in [(1, 576, 1537), (3, 17, 5), (2, 100, 33), (1, 1, 1)]:
+        x = mx.random.normal((m, k))
+        w = mx.random.normal((n, k)).astype(dtype)
+        got = K.matvec(x, w)
+        assert got.dtype == mx.float32
+        _close(got, x, w.astype(mx.float32))
+    # Strided rows and float16 subnormals / extremes.
+    w = mx.array([[6.0e-8, -6.0e-8, 1.0e-5, 65504.0], [-65504.0, 0.5, -0.0, 3.0]] * 3).astype(dtype)[::2]
+    x = mx.array([[1.0, 2.0, 3.0, 1e-3]])
+    _close(K.matvec(x, w), x, w.astype(mx.float32))
 
 
 @pytest.mark.parametrize("bits", [4, 8])

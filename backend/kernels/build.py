@@ -44,8 +44,8 @@ _SOURCES = (
     ("matvec.cpp", ()),
     ("kernels.cpp", ()),
     ("kernels_generic.cpp", ()),
-    ("kernels_avx2.cpp", ("-mavx2", "-mfma")),
-    ("kernels_avx512.cpp", ("-mavx512f", "-mavx2", "-mfma")),
+    ("kernels_avx2.cpp", ("-mavx2", "-mfma", "-mf16c")),
+    ("kernels_avx512.cpp", ("-mavx512f", "-mavx2", "-mfma", "-mf16c")),
 )
 _HEADERS = ("kernels.h", "kernels_impl.h")
 

@@ -3,6 +3,9 @@
 #include "kernels.h"
 
 #include <pthread.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 #include <sched.h>
 
 #include <algorithm>
@@ -27,8 +30,11 @@ const IsaKernels& best_isa() {
     std::string want = env ? env : "";
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    bool has512 = __builtin_cpu_supports("avx512f");
-    bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    bool has512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") &&
+                  __builtin_cpu_supports("fma");
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    bool f16c = __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+    bool has2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
     if (want == "generic") return &isa_generic();
     if (want == "avx2" && has2) return &isa_avx2();
     if (has512 && want != "avx2") return &isa_avx512();
@@ -199,20 +205,20 @@ inline int threads_for(int64_t chunks) {
   return static_cast<int>(std::min<int64_t>(max_threads(), chunks));
 }
 
-struct F32Job {
-  const IsaKernels* isa;
+struct DenseJob {
+  DenseRowsFn rows_fn;
   const float* x;
   int64_t ldx, M, K;
-  const float* w;
+  const void* w;
   int64_t ldw, N;
   float* out;
   int64_t rows;  // per chunk
 };
 
-void f32_chunk(void* ctx, int64_t c) {
-  auto* j = static_cast<F32Job*>(ctx);
+void dense_chunk(void* ctx, int64_t c) {
+  auto* j = static_cast<DenseJob*>(ctx);
   int64_t n0 = c * j->rows, n1 = std::min(j->N, n0 + j->rows);
-  j->isa->f32_rows(j->x, j->ldx, j->M, j->K, j->w, j->ldw, j->out, j->N, n0, n1);
+  j->rows_fn(j->x, j->ldx, j->M, j->K, j->w, j->ldw, j->out, j->N, n0, n1);
 }
 
 struct QJob {
@@ -254,20 +260,21 @@ void set_max_threads(int n) {
   g_max_threads.store(n <= 0 ? 0 : std::min(n, 64), std::memory_order_relaxed);
 }
 
-void matvec_f32(
-    const float* x, int64_t ldx, int64_t M, int64_t K, const float* w,
-    int64_t ldw, int64_t N, float* out) {
+void matvec_dense(
+    const float* x, int64_t ldx, int64_t M, int64_t K, const void* w,
+    WType wtype, int64_t ldw, int64_t N, float* out) {
   if (M <= 0 || N <= 0) return;
   if (K <= 0) {
     std::memset(out, 0, sizeof(float) * M * N);
     return;
   }
+  const int64_t esize = wtype == WType::f32 ? 4 : 2;
   // Cost of a row: its bytes, and more once several x rows make it compute bound.
-  int64_t row_cost = K * static_cast<int64_t>(sizeof(float)) * std::max<int64_t>(1, M / 2);
+  int64_t row_cost = K * esize * std::max<int64_t>(1, M / 2);
   int64_t rows = chunk_rows(row_cost, N);
-  F32Job job{&best_isa(), x, ldx, M, K, w, ldw, N, out, rows};
+  DenseJob job{best_isa().dense_rows[static_cast<int>(wtype)], x, ldx, M, K, w, ldw, N, out, rows};
   int64_t chunks = (N + rows - 1) / rows;
-  Pool::get().run(chunks, threads_for(chunks), &f32_chunk, &job);
+  Pool::get().run(chunks, threads_for(chunks), &dense_chunk, &job);
 }
 
 void matvec_q(

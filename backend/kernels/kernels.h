@@ -1,7 +1,8 @@
 // Arbor CPU matrix-vector kernels: plain C++ interface, no MLX dependency.
 //
 // out[m, n] = sum_k x[m, k] * W[n, k] for a few rows of x (decode-time shapes),
-// with W either float32 (row stride ldw, in elements) or MLX's affine quantized
+// with W either dense (float32, bfloat16 or float16, row stride ldw in elements;
+// 16-bit weights widen exactly to float32, accumulation is float32) or MLX's affine quantized
 // layout (uint32 words, 32 / bits values per word, low bits first; one float32
 // scale and bias per group of `group_size` consecutive values of a row).
 #pragma once
@@ -10,16 +11,28 @@
 
 namespace arbor {
 
+// Storage of dense weights. 16-bit values are passed as their raw bits.
+enum class WType : int { f32 = 0, bf16 = 1, f16 = 2 };
+struct bf16_t {
+  uint16_t bits;
+};
+struct f16_t {
+  uint16_t bits;
+};
+
+using DenseRowsFn = void (*)(
+    const float* x, int64_t ldx, int64_t M, int64_t K,
+    const void* w, int64_t ldw, float* out, int64_t ldo,
+    int64_t n0, int64_t n1);
+
 // Row-range entry points implemented once per instruction set (see kernels_impl.h).
 struct IsaKernels {
   const char* name;
   // Width of the 4-bit block whose even/odd values the q4 kernel expects split
   // (x permuted by permute_q4); 0 when the kernel reads x in natural order.
   int q4_block;
-  void (*f32_rows)(
-      const float* x, int64_t ldx, int64_t M, int64_t K,
-      const float* w, int64_t ldw, float* out, int64_t ldo,
-      int64_t n0, int64_t n1);
+  // Dense rows, indexed by WType.
+  DenseRowsFn dense_rows[3];
   void (*q_rows)(
       const float* x, int64_t ldx, int64_t M, int64_t K,
       const uint8_t* wq, int64_t ldq, const float* scales, const float* biases,
@@ -34,6 +47,7 @@ const IsaKernels& isa_avx512();
 #endif
 
 // The best kernel set this CPU supports (overridable with ARBOR_MATVEC_ISA=generic|avx2|avx512).
+// AVX2 also requires FMA and F16C.
 const IsaKernels& best_isa();
 
 // Thread count used for large products (ARBOR_MATVEC_THREADS, else usable cores).
@@ -41,9 +55,9 @@ int max_threads();
 void set_max_threads(int n);
 
 // Multithreaded drivers. x: M rows with stride ldx; out: M rows of N, contiguous.
-void matvec_f32(
+void matvec_dense(
     const float* x, int64_t ldx, int64_t M, int64_t K,
-    const float* w, int64_t ldw, int64_t N, float* out);
+    const void* w, WType wtype, int64_t ldw, int64_t N, float* out);
 
 void matvec_q(
     const float* x, int64_t ldx, int64_t M, int64_t K,

@@ -1,8 +1,8 @@
-// AVX2 + FMA instantiation of the Arbor matvec kernels.
-// Built with -mavx2 -mfma; only called after a CPUID check.
+// AVX2 + FMA + F16C instantiation of the Arbor matvec kernels.
+// Built with -mavx2 -mfma -mf16c; only called after a CPUID check.
 #include "kernels.h"
 
-#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
 namespace {
@@ -21,6 +21,24 @@ struct V {
     return _mm256_maskload_ps(p, m);
   }
   static inline R set1(float f) { return _mm256_set1_ps(f); }
+
+  // Dense weights: float32 as is; bfloat16 is the top half of a float32; float16
+  // through vcvtph2ps (F16C). Tails go through a zeroed buffer.
+  static inline R wload(const float* p) { return load(p); }
+  static inline R wload_n(const float* p, int n) { return load_n(p, n); }
+  static inline R wload(const arbor::bf16_t* p) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static inline R wload(const arbor::f16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  template <typename T>
+  static inline R wload_n(const T* p, int n) {
+    T buf[W] = {};
+    for (int i = 0; i < n; ++i) buf[i] = p[i];
+    return wload(buf);
+  }
   static inline R add(R a, R b) { return _mm256_add_ps(a, b); }
   static inline R fma(R a, R b, R c) { return _mm256_fmadd_ps(a, b, c); }
   static inline float sum(R a) {
@@ -57,7 +75,7 @@ struct V {
 
 namespace arbor {
 const IsaKernels& isa_avx2() {
-  static const IsaKernels k{"avx2", 2 * V::W, &f32_rows, &q_rows};
+  static const IsaKernels k{"avx2", 2 * V::W, ARBOR_DENSE_ROWS, &q_rows};
   return k;
 }
 }  // namespace arbor

@@ -1,5 +1,5 @@
 // AVX-512 (F) + FMA instantiation of the Arbor matvec kernels.
-// Built with -mavx512f -mavx2 -mfma; only called after a CPUID check.
+// Built with -mavx512f -mavx2 -mfma -mf16c; only called after a CPUID check.
 #include "kernels.h"
 
 #if defined(__x86_64__) && defined(__AVX512F__)
@@ -18,6 +18,24 @@ struct V {
     return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1u), p);
   }
   static inline R set1(float f) { return _mm512_set1_ps(f); }
+
+  // Dense weights: float32 as is; bfloat16 is the top half of a float32; float16
+  // through vcvtph2ps. Tails go through a zeroed buffer (no AVX-512BW needed).
+  static inline R wload(const float* p) { return load(p); }
+  static inline R wload_n(const float* p, int n) { return load_n(p, n); }
+  static inline R wload(const arbor::bf16_t* p) {
+    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static inline R wload(const arbor::f16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  template <typename T>
+  static inline R wload_n(const T* p, int n) {
+    T buf[W] = {};
+    for (int i = 0; i < n; ++i) buf[i] = p[i];
+    return wload(buf);
+  }
   static inline R add(R a, R b) { return _mm512_add_ps(a, b); }
   static inline R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
   static inline float sum(R a) { return _mm512_reduce_add_ps(a); }
@@ -54,7 +72,7 @@ struct V {
 
 namespace arbor {
 const IsaKernels& isa_avx512() {
-  static const IsaKernels k{"avx512", 2 * V::W, &f32_rows, &q_rows};
+  static const IsaKernels k{"avx512", 2 * V::W, ARBOR_DENSE_ROWS, &q_rows};
   return k;
 }
 }  // namespace arbor

@@ -12,6 +12,7 @@
 //   MT_F32, MT_Q;          most x rows handled per tile (register budget)
 //   zero(), load(p), load_n(p, n) (first n lanes, rest 0), set1(f),
 //   fma(a, b, c) = a * b + c, sum(a) (horizontal add),
+//   wload(p), wload_n(p, n) for p a float*, bf16_t* or f16_t* (widened to float),
 //   QGroup<BITS>, qgroup<BITS>(scale, bias)
 //                          per-(row, group) dequantization state
 //   q8(p, g)               W bytes -> W dequantized floats (scale * q + bias)
@@ -19,9 +20,9 @@
 
 #define ARBOR_UNROLL _Pragma("GCC unroll 16")
 
-template <int ROWS, int MT, int U>
-inline void f32_tile(
-    const float* x, int64_t ldx, int64_t K, const float* w, int64_t ldw,
+template <typename WT, int ROWS, int MT, int U>
+inline void dense_tile(
+    const float* x, int64_t ldx, int64_t K, const WT* w, int64_t ldw,
     float* out, int64_t ldo) {
   typename V::R acc[U][ROWS][MT];
   ARBOR_UNROLL for (int u = 0; u < U; ++u)
@@ -35,7 +36,7 @@ inline void f32_tile(
       ARBOR_UNROLL for (int m = 0; m < MT; ++m)
         xv[m] = V::load(x + m * ldx + k + u * V::W);
       ARBOR_UNROLL for (int r = 0; r < ROWS; ++r) {
-        typename V::R wv = V::load(w + r * ldw + k + u * V::W);
+        typename V::R wv = V::wload(w + r * ldw + k + u * V::W);
         ARBOR_UNROLL for (int m = 0; m < MT; ++m)
           acc[u][r][m] = V::fma(wv, xv[m], acc[u][r][m]);
       }
@@ -45,7 +46,7 @@ inline void f32_tile(
     typename V::R xv[MT];
     ARBOR_UNROLL for (int m = 0; m < MT; ++m) xv[m] = V::load(x + m * ldx + k);
     ARBOR_UNROLL for (int r = 0; r < ROWS; ++r) {
-      typename V::R wv = V::load(w + r * ldw + k);
+      typename V::R wv = V::wload(w + r * ldw + k);
       ARBOR_UNROLL for (int m = 0; m < MT; ++m)
         acc[0][r][m] = V::fma(wv, xv[m], acc[0][r][m]);
     }
@@ -55,7 +56,7 @@ inline void f32_tile(
     typename V::R xv[MT];
     ARBOR_UNROLL for (int m = 0; m < MT; ++m) xv[m] = V::load_n(x + m * ldx + k, rest);
     ARBOR_UNROLL for (int r = 0; r < ROWS; ++r) {
-      typename V::R wv = V::load_n(w + r * ldw + k, rest);
+      typename V::R wv = V::wload_n(w + r * ldw + k, rest);
       ARBOR_UNROLL for (int m = 0; m < MT; ++m)
         acc[0][r][m] = V::fma(wv, xv[m], acc[0][r][m]);
     }
@@ -69,17 +70,17 @@ inline void f32_tile(
 }
 
 // All x rows against ROWS weight rows, in tiles of at most V::MT_F32 x rows.
-template <int ROWS, int U>
-inline void f32_rows_x(
-    const float* x, int64_t ldx, int64_t M, int64_t K, const float* w,
+template <typename WT, int ROWS, int U>
+inline void dense_rows_x(
+    const float* x, int64_t ldx, int64_t M, int64_t K, const WT* w,
     int64_t ldw, float* out, int64_t ldo) {
   int64_t m = 0;
   for (; m + V::MT_F32 <= M; m += V::MT_F32)
-    f32_tile<ROWS, V::MT_F32, 1>(x + m * ldx, ldx, K, w, ldw, out + m * ldo, ldo);
+    dense_tile<WT, ROWS, V::MT_F32, 1>(x + m * ldx, ldx, K, w, ldw, out + m * ldo, ldo);
   switch (M - m) {
-    case 1: f32_tile<ROWS, 1, U>(x + m * ldx, ldx, K, w, ldw, out + m * ldo, ldo); break;
-    case 2: f32_tile<ROWS, 2, 1>(x + m * ldx, ldx, K, w, ldw, out + m * ldo, ldo); break;
-    case 3: f32_tile<ROWS, 3, 1>(x + m * ldx, ldx, K, w, ldw, out + m * ldo, ldo); break;
+    case 1: dense_tile<WT, ROWS, 1, U>(x + m * ldx, ldx, K, w, ldw, out + m * ldo, ldo); break;
+    case 2: dense_tile<WT, ROWS, 2, 1>(x + m * ldx, ldx, K, w, ldw, out + m * ldo, ldo); break;
+    case 3: dense_tile<WT, ROWS, 3, 1>(x + m * ldx, ldx, K, w, ldw, out + m * ldo, ldo); break;
     default: break;
   }
 }
@@ -91,16 +92,20 @@ inline void f32_rows_x(
 #define ARBOR_F32_ROWS 1
 #endif
 
-void f32_rows(
-    const float* x, int64_t ldx, int64_t M, int64_t K, const float* w,
+template <typename WT>
+void dense_rows(
+    const float* x, int64_t ldx, int64_t M, int64_t K, const void* wv,
     int64_t ldw, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   constexpr int RB = ARBOR_F32_ROWS;
+  const WT* w = static_cast<const WT*>(wv);
   int64_t n = n0;
   for (; n + RB <= n1; n += RB)
-    f32_rows_x<RB, (RB >= 4 ? 1 : 4 / RB)>(x, ldx, M, K, w + n * ldw, ldw, out + n, ldo);
+    dense_rows_x<WT, RB, (RB >= 4 ? 1 : 4 / RB)>(x, ldx, M, K, w + n * ldw, ldw, out + n, ldo);
   for (; n < n1; ++n)
-    f32_rows_x<1, 4>(x, ldx, M, K, w + n * ldw, ldw, out + n, ldo);
+    dense_rows_x<WT, 1, 4>(x, ldx, M, K, w + n * ldw, ldw, out + n, ldo);
 }
+
+#define ARBOR_DENSE_ROWS {&dense_rows<float>, &dense_rows<arbor::bf16_t>, &dense_rows<arbor::f16_t>}
 
 // Quantized tile. x rows are read in the order the ISA expects: natural for
 // 8 bits; for 4 bits each block of 2*W values is split into its even-indexed

@@ -1,6 +1,6 @@
 // Arbor's native MLX CPU primitives for decode-time matrix-vector products.
 //
-//   matvec(x, w)                          x (..., K) f32, w (N, K) f32 -> (..., N) = x @ w.T
+//   matvec(x, w)                          x (..., K) f32, w (N, K) f32/bf16/f16 -> (..., N) f32 = x @ w.T
 //   matvec_q(x, wq, scales, biases, gs, bits)
 //                                         same with w in MLX's affine quantized layout
 //
@@ -59,19 +59,20 @@ mx::Stream cpu_stream(mx::StreamOrDevice s) {
   return st;
 }
 
-// Copies an arbitrarily strided array of 4-byte elements into `dst`, row-major.
-void gather4(const mx::array& a, void* dst) {
+// Copies an arbitrarily strided array into `dst`, row-major.
+void gather(const mx::array& a, void* dst) {
   const char* base = a.data<char>();
   const auto& shape = a.shape();
   const auto& strides = a.strides();
   const int nd = a.ndim();
-  auto* out = static_cast<uint32_t*>(dst);
+  const size_t isz = a.itemsize();
+  auto* out = static_cast<char*>(dst);
   const size_t total = a.size();
   std::vector<int64_t> idx(nd, 0);
   for (size_t i = 0; i < total; ++i) {
     int64_t off = 0;
     for (int d = 0; d < nd; ++d) off += idx[d] * strides[d];
-    std::memcpy(out + i, base + off * 4, 4);
+    std::memcpy(out + i * isz, base + off * static_cast<int64_t>(isz), isz);
     for (int d = nd - 1; d >= 0; --d) {
       if (++idx[d] < shape[d]) break;
       idx[d] = 0;
@@ -81,28 +82,27 @@ void gather4(const mx::array& a, void* dst) {
 
 // A 2-D operand as (pointer, row stride in elements), copying it into `scratch`
 // when its rows are not unit-stride.
-template <typename T>
-const T* rows_of(const mx::array& a, int64_t& ld, std::vector<uint32_t>& scratch) {
+const void* rows_of(const mx::array& a, int64_t& ld, std::vector<char>& scratch) {
   const int64_t cols = a.shape(-1);
   if (a.flags().row_contiguous) {
     ld = cols;
-    return a.data<T>();
+    return a.data<char>();
   }
   if (a.ndim() == 2 && (a.strides()[1] == 1 || cols == 1) && a.strides()[0] >= cols) {
     ld = a.shape(0) == 1 ? cols : a.strides()[0];
-    return a.data<T>();
+    return a.data<char>();
   }
-  scratch.resize(a.size());
-  gather4(a, scratch.data());
+  scratch.resize(a.nbytes());
+  gather(a, scratch.data());
   ld = cols;
-  return reinterpret_cast<const T*>(scratch.data());
+  return scratch.data();
 }
 
 // The M x K rows of x (any leading dims), contiguous.
-const float* x_rows(const mx::array& x, std::vector<uint32_t>& scratch) {
+const float* x_rows(const mx::array& x, std::vector<char>& scratch) {
   if (x.flags().row_contiguous) return x.data<float>();
-  scratch.resize(x.size());
-  gather4(x, scratch.data());
+  scratch.resize(x.nbytes());
+  gather(x, scratch.data());
   return reinterpret_cast<const float*>(scratch.data());
 }
 
@@ -130,11 +130,14 @@ class Matvec : public mx::UnaryPrimitive {
                   w = mx::array::unsafe_weak_copy(w),
                   out = mx::array::unsafe_weak_copy(out), M, K, N]() mutable {
       if (out.size() == 0) return;
-      std::vector<uint32_t> xs, ws;
+      std::vector<char> xs, ws;
       int64_t ldw = K;
       const float* xp = K > 0 ? x_rows(x, xs) : nullptr;
-      const float* wp = K > 0 ? rows_of<float>(w, ldw, ws) : nullptr;
-      matvec_f32(xp, K, M, K, wp, ldw, N, out.data<float>());
+      const void* wp = K > 0 ? rows_of(w, ldw, ws) : nullptr;
+      const WType wt = w.dtype() == mx::bfloat16 ? WType::bf16
+          : w.dtype() == mx::float16             ? WType::f16
+                                                 : WType::f32;
+      matvec_dense(xp, K, M, K, wp, wt, ldw, N, out.data<float>());
     });
   }
 
@@ -176,17 +179,17 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
                   bi = mx::array::unsafe_weak_copy(biases),
                   out = mx::array::unsafe_weak_copy(out), M, K, N, gs, bits]() mutable {
       if (out.size() == 0) return;
-      std::vector<uint32_t> xs, qs, ss, bs;
+      std::vector<char> xs, qs, ss, bs;
       const float* xp = K > 0 ? x_rows(x, xs) : nullptr;
       int64_t ldq = 0, lds = 0, ldb = 0;
-      const uint32_t* qp = K > 0 ? rows_of<uint32_t>(wq, ldq, qs) : nullptr;
-      const float* sp = K > 0 ? rows_of<float>(sc, lds, ss) : nullptr;
-      const float* bp = K > 0 ? rows_of<float>(bi, ldb, bs) : nullptr;
+      const void* qp = K > 0 ? rows_of(wq, ldq, qs) : nullptr;
+      auto sp = static_cast<const float*>(K > 0 ? rows_of(sc, lds, ss) : nullptr);
+      auto bp = static_cast<const float*>(K > 0 ? rows_of(bi, ldb, bs) : nullptr);
       if (K > 0 && lds != ldb) {  // the kernel walks both with one stride
-        ss.resize(sc.size());
-        gather4(sc, ss.data());
-        bs.resize(bi.size());
-        gather4(bi, bs.data());
+        ss.resize(sc.nbytes());
+        gather(sc, ss.data());
+        bs.resize(bi.nbytes());
+        gather(bi, bs.data());
         sp = reinterpret_cast<const float*>(ss.data());
         bp = reinterpret_cast<const float*>(bs.data());
         lds = ldb = sc.shape(-1);
@@ -228,9 +231,12 @@ mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = 
         "[arbor.matvec] expected x (..., K) and w (N, K), got x " + shape_str(x) +
         " and w " + shape_str(w) + ".");
   }
-  if (x.dtype() != mx::float32 || w.dtype() != mx::float32) {
+  const auto wt = w.dtype();
+  if (x.dtype() != mx::float32 ||
+      (wt != mx::float32 && wt != mx::bfloat16 && wt != mx::float16)) {
     throw std::invalid_argument(
-        "[arbor.matvec] expected float32 x and w, got " + dtype_str(x.dtype()) +
+        "[arbor.matvec] expected float32 x and float32, bfloat16 or float16 w, got " +
+        dtype_str(x.dtype()) +
         " x " + shape_str(x) + " and " + dtype_str(w.dtype()) + " w " + shape_str(w) + ".");
   }
   mx::Shape out_shape = x.shape();
@@ -292,7 +298,8 @@ NB_MODULE(_arbor_kernels, m) {
   m.def("matvec",
         [](const mx::array& x, const mx::array& w) { return arbor::matvec(x, w); },
         nb::arg("x"), nb::arg("w"),
-        "x (..., K) float32 @ w.T for w (N, K) float32 -> (..., N) float32.");
+        "x (..., K) float32 @ w.T for w (N, K) float32, bfloat16 or float16 "
+        "-> (..., N) float32 (16-bit weights are widened exactly; float32 sums).");
   m.def("matvec_q",
         [](const mx::array& x, const mx::array& wq, const mx::array& scales,
            const mx::array& biases, int group_size, int bits) {
