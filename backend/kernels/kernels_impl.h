@@ -85,22 +85,21 @@ inline void dense_rows_x(
   }
 }
 
-// Weight rows per tile. One row at a time (four accumulators along K) keeps each
-// thread on a single sequential stream, which the hardware prefetcher follows
-// best: measured ~22 GB/s vs ~14-17 GB/s for 4 or 8 interleaved rows.
-#ifndef ARBOR_F32_ROWS
-#define ARBOR_F32_ROWS 1
-#endif
-
+// Weight rows per tile. For one to four rows of x, one weight row at a time
+// (four accumulators along K for a single x row) keeps each thread on a single
+// sequential stream, which the hardware prefetcher follows best: ~22 GB/s vs
+// ~14-17 GB/s for 4 or 8 interleaved rows. From five x rows on the product is
+// compute bound, and four weight rows per tile share every x load.
 template <typename WT>
 void dense_rows(
     const float* x, int64_t ldx, int64_t M, int64_t K, const void* wv,
     int64_t ldw, float* out, int64_t ldo, int64_t n0, int64_t n1) {
-  constexpr int RB = ARBOR_F32_ROWS;
   const WT* w = static_cast<const WT*>(wv);
   int64_t n = n0;
-  for (; n + RB <= n1; n += RB)
-    dense_rows_x<WT, RB, (RB >= 4 ? 1 : 4 / RB)>(x, ldx, M, K, w + n * ldw, ldw, out + n, ldo);
+  if (M > 4) {
+    for (; n + 4 <= n1; n += 4)
+      dense_rows_x<WT, 4, 1>(x, ldx, M, K, w + n * ldw, ldw, out + n, ldo);
+  }
   for (; n < n1; ++n)
     dense_rows_x<WT, 1, 4>(x, ldx, M, K, w + n * ldw, ldw, out + n, ldo);
 }
