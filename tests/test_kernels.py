@@ -210,3 +210,22 @@ def test_matvec_q_argument_errors(K):
         K.matvec_q(x, wq, s[:, :1], b, group_size=64, bits=4)
     with pytest.raises(ValueError, match="float32"):
         K.matvec_q(x, wq, s.astype(mx.float16), b.astype(mx.float16), group_size=64, bits=4)
+
+
+def test_linear_helpers_pick_kernel_or_mlx(K):
+    w = mx.random.normal((40, 64))
+    for shape in [(1, 64), (2, 3, 64), (20, 64)]:  # the last is past MAX_KERNEL_ROWS: MLX
+        x = mx.random.normal(shape)
+        assert mx.allclose(K.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-4).item()
+    xh = mx.random.normal((1, 64)).astype(mx.float16)  # not float32: MLX (float16 result)
+    assert K.linear(xh, w.astype(mx.float16)).dtype == mx.float16
+    wq, s, b = mx.quantize(w, group_size=32, bits=8)
+    for shape in [(1, 64), (16, 64)]:
+        x = mx.random.normal(shape)
+        want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=32, bits=8)
+        got = K.quantized_linear(x, wq, s, b, group_size=32, bits=8)
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-4).item()
+    wq2, s2, b2 = mx.quantize(w, group_size=32, bits=2)  # unsupported bits: MLX
+    x = mx.random.normal((1, 64))
+    want = mx.quantized_matmul(x, wq2, s2, b2, transpose=True, group_size=32, bits=2)
+    assert mx.allclose(K.quantized_linear(x, wq2, s2, b2, group_size=32, bits=2), want).item()

@@ -6,13 +6,16 @@ built from this folder adds two MLX primitives (they stay in MLX's lazy graph, w
 ``mx.async_eval`` and ``mx.compile``) that stream each weight row once with AVX-512 or
 AVX2 FMA on a small thread pool:
 
-* ``matvec(x, w)``: ``x`` (..., K) float32, ``w`` (N, K) float32 -> ``x @ w.T``.
+* ``matvec(x, w)``: ``x`` (..., K) float32, ``w`` (N, K) float32, bfloat16 or float16
+  -> ``x @ w.T`` in float32 (16-bit weights widen exactly: a bf16 checkpoint streams
+  half the bytes of its float32 upcast, same result).
 * ``matvec_q(x, wq, scales, biases, group_size, bits)``: the same for weights in MLX's
   affine quantized layout (``mx.quantize``), bits 4 or 8, group size 32/64/128, float32
   scales and biases; equals ``mx.quantized_matmul(..., transpose=True)``.
 
-Both are meant for a handful of rows of ``x`` (decode); callers keep MLX's own matmul
-for prefill. Nothing here raises when the extension is absent: ``available()`` is False
+Both are meant for a handful of rows of ``x`` (decode, speculative verification: up to
+~8); callers keep MLX's own matmul for prefill. ``linear`` / ``quantized_linear`` make
+that choice (kernel when available and it applies, plain MLX otherwise). Nothing here raises when the extension is absent: ``available()`` is False
 (not built, built for another MLX, macOS, non-x86 CPU, or ``ARBOR_KERNELS=0``) and
 callers use plain MLX. ``ensure_built()`` compiles it on first use where a compiler and
 nanobind are present; ``python -m backend.kernels.build`` does the same from a shell.
@@ -36,8 +39,10 @@ __all__ = [
     "available",
     "ensure_built",
     "isa",
+    "linear",
     "matvec",
     "matvec_q",
+    "quantized_linear",
     "set_num_threads",
     "unavailable_reason",
 ]
@@ -159,6 +164,73 @@ def matvec_q(x: Any, wq: Any, scales: Any, biases: Any, group_size: int = 64, bi
     Raises ValueError naming the shapes otherwise.
     """
     return _mod().matvec_q(x, wq, scales, biases, int(group_size), int(bits))
+
+
+#: Most rows of x (product of its leading dims) that ``linear`` sends to the kernel.
+MAX_KERNEL_ROWS = 8
+
+_DENSE_W = None
+
+
+def _rows(x: Any) -> int:
+    m = 1
+    for d in x.shape[:-1]:
+        m *= d
+    return m
+
+
+def _on_cpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu
+
+
+def linear(x: Any, w: Any) -> Any:
+    """``x @ w.T``: the native kernel for float32 ``x`` with at most MAX_KERNEL_ROWS rows
+    on the CPU device (w float32/bfloat16/float16), MLX's matmul otherwise."""
+    global _DENSE_W
+    import mlx.core as mx
+
+    if _DENSE_W is None:
+        _DENSE_W = (mx.float32, mx.bfloat16, mx.float16)
+    if (
+        x.dtype == mx.float32
+        and w.dtype in _DENSE_W
+        and w.ndim == 2
+        and x.ndim >= 1
+        and x.shape[-1] == w.shape[1]
+        and _rows(x) <= MAX_KERNEL_ROWS
+        and available()
+        and _on_cpu()
+    ):
+        return _module.matvec(x, w)
+    return x @ w.T
+
+
+def quantized_linear(
+    x: Any, wq: Any, scales: Any, biases: Any, group_size: int = 64, bits: int = 4
+) -> Any:
+    """``mx.quantized_matmul(x, wq, scales, biases, transpose=True, ...)``, through the
+    native kernel when it applies (float32 x/scales/biases, bits 4 or 8, group 32/64/128,
+    at most MAX_KERNEL_ROWS rows, CPU device)."""
+    import mlx.core as mx
+
+    if (
+        bits in (4, 8)
+        and group_size in (32, 64, 128)
+        and x.dtype == mx.float32
+        and scales.dtype == mx.float32
+        and biases is not None
+        and biases.dtype == mx.float32
+        and _rows(x) <= MAX_KERNEL_ROWS
+        and available()
+        and _on_cpu()
+    ):
+        try:
+            return _module.matvec_q(x, wq, scales, biases, group_size, bits)
+        except ValueError:
+            pass  # shapes MLX may still accept (or reject with its own message)
+    return mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group_size, bits=bits)
 
 
 def isa() -> str | None:
