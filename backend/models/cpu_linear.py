@@ -22,15 +22,20 @@ from mlx.utils import tree_map_with_path
 from backend import kernels
 
 #: Up to this many activation rows go to the kernels (decode, draft verification).
-MAX_KERNEL_ROWS = 8
+MAX_KERNEL_ROWS = kernels.MAX_KERNEL_ROWS
 
 
 def _rows(x: mx.array) -> int:
     return x.size // x.shape[-1]
 
 
-def _dequantized(layer: nn.Module) -> mx.array:
-    return mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
+def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
+    """x @ W.T for an affine-quantized W: kernel for decode, dequantize + BLAS for prefill."""
+    if _rows(x) <= MAX_KERNEL_ROWS:
+        return kernels.quantized_linear(x, layer.weight, layer.scales, layer.biases,
+                                        layer.group_size, layer.bits)
+    w = mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
+    return x @ w.T
 
 
 class KernelLinear(nn.Module):
@@ -43,10 +48,7 @@ class KernelLinear(nn.Module):
             self.bias = bias
 
     def __call__(self, x: mx.array) -> mx.array:
-        if _rows(x) <= MAX_KERNEL_ROWS:
-            y = kernels.matvec(x, self.weight)
-        else:
-            y = x @ self.weight.T
+        y = kernels.linear(x, self.weight)
         return y + self.bias if "bias" in self else y
 
 
@@ -64,11 +66,7 @@ class KernelQuantizedLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x: mx.array) -> mx.array:
-        if _rows(x) <= MAX_KERNEL_ROWS:
-            y = kernels.matvec_q(x, self.weight, self.scales, self.biases, self.group_size,
-                                 self.bits)
-        else:
-            y = x @ _dequantized(self).T
+        y = _quantized_product(self, x)
         return y + self.bias if "bias" in self else y
 
 
@@ -80,9 +78,7 @@ class KernelEmbedding(nn.Embedding):
         self.weight = layer.weight
 
     def as_linear(self, x: mx.array) -> mx.array:
-        if _rows(x) <= MAX_KERNEL_ROWS:
-            return kernels.matvec(x, self.weight)
-        return x @ self.weight.T
+        return kernels.linear(x, self.weight)
 
 
 class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
@@ -96,10 +92,7 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
         self.freeze()
 
     def as_linear(self, x: mx.array) -> mx.array:
-        if _rows(x) <= MAX_KERNEL_ROWS:
-            return kernels.matvec_q(x, self.weight, self.scales, self.biases, self.group_size,
-                                    self.bits)
-        return x @ _dequantized(self).T
+        return _quantized_product(self, x)
 
 
 def _swap(_path: str, module: nn.Module) -> nn.Module:
