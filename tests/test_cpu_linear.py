@@ -53,3 +53,31 @@ def test_default_dtype_model_uses_kernels_and_bf16_does_not(tiny_model_dir):
     assert isinstance(f32.model.model.layers[0].mlp.up_proj, KernelLinear)
     bf16 = load_model(tiny_model_dir("llama"), dtype="bfloat16")
     assert type(bf16.model.model.layers[0].mlp.up_proj) is nn.Linear
+
+
+def test_bf16_checkpoint_keeps_16bit_weights_with_float32_results(tiny_model_dir, tmp_path):
+    """A bf16 checkpoint on the CPU: linear weights stay bf16 (half the bytes per decode step),
+    the kernels widen them exactly, so logits equal those of the weights upcast at load time."""
+    import shutil
+
+    src = tiny_model_dir("qwen2")
+    folder = tmp_path / "bf16"
+    shutil.copytree(src, folder)
+    weights = mx.load(str(folder / "model.safetensors"))
+    mx.save_safetensors(str(folder / "model.safetensors"),
+                        {k: v.astype(mx.bfloat16) for k, v in weights.items()})
+    fast = load_model(folder)
+    plain = load_model(folder, cpu_kernels=False)
+    layer = fast.model.model.layers[0]
+    assert layer.mlp.up_proj.weight.dtype == mx.bfloat16
+    assert fast.model.model.embed_tokens.weight.dtype == mx.bfloat16
+    assert layer.input_layernorm.weight.dtype == mx.float32
+    assert fast.parameter_bytes < 0.6 * plain.parameter_bytes
+    tokens = mx.array([[4, 8, 15, 16, 23, 42, 7, 9, 11, 13]])
+    expected = plain.model(tokens, plain.model.make_caches())
+    caches = fast.model.make_caches()
+    prefill = fast.model(tokens[:, :6], caches)  # BLAS path
+    steps = [fast.model(tokens[:, i:i + 1], caches) for i in range(6, 10)]  # kernel path
+    got = mx.concatenate([prefill] + steps, axis=1)
+    assert got.dtype == mx.float32
+    assert np.abs(np.array(got) - np.array(expected)).max() < 1e-4

@@ -39,7 +39,8 @@ def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
 
 
 class KernelLinear(nn.Module):
-    """Float32 linear layer: kernel matvec for few rows, BLAS otherwise."""
+    """Linear layer with float32 activations and float32 or 16-bit weights: kernel matvec for
+    few rows, BLAS (on weights widened to float32) otherwise."""
 
     def __init__(self, weight: mx.array, bias: mx.array | None):
         super().__init__()
@@ -71,11 +72,15 @@ class KernelQuantizedLinear(nn.Module):
 
 
 class KernelEmbedding(nn.Embedding):
-    """Embedding whose tied output projection (``as_linear``) uses the kernel."""
+    """Embedding whose tied output projection (``as_linear``) uses the kernel; rows of a
+    16-bit table are widened to float32 on lookup."""
 
     def __init__(self, layer: nn.Embedding):
         super().__init__(*layer.weight.shape)
         self.weight = layer.weight
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.weight[x].astype(mx.float32)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return kernels.linear(x, self.weight)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from backend import kernels
 from backend.errors import ModelLoadError, UnknownArchitectureError
@@ -42,7 +43,6 @@ class LoadedModel:
 
     @property
     def parameter_bytes(self) -> int:
-        from mlx.utils import tree_flatten
         return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
 
 
@@ -74,6 +74,32 @@ def _should_dequantize(weights: dict[str, mx.array]) -> bool:
     for k, w in weights.items():
         estimate += w.size * 4 * (32 // 4) if w.dtype == mx.uint32 else w.size * 4
     return estimate <= limit
+
+
+def _kernel_weights(model: nn.Module) -> set[str]:
+    """Weights of the plain linear and embedding layers, which the CPU kernels will run."""
+    leaves = tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+    return {f"{path}.weight" for path, m in leaves if type(m) in (nn.Linear, nn.Embedding)}
+
+
+def _cast_weights(weights: dict[str, mx.array], compute: mx.Dtype, quantized: bool,
+                  keep_16bit: set[str]) -> dict[str, mx.array]:
+    """Cast to the compute dtype, except: quantization scales/biases become float32 on the CPU
+    (MLX's CPU quantized ops are slow with 16-bit scales), and 16-bit weights named in
+    ``keep_16bit`` stay 16-bit: the CPU kernels widen them to float32 exactly while streaming,
+    so decode reads half the bytes with the same results as float32 weights."""
+    scale_dtype = mx.float32 if mx.default_device() == mx.cpu else compute
+    out = {}
+    for name, value in weights.items():
+        if quantized and name.endswith((".scales", ".biases")):
+            out[name] = value.astype(scale_dtype)
+        elif name in keep_16bit and value.dtype in (mx.bfloat16, mx.float16):
+            out[name] = value
+        elif mx.issubdtype(value.dtype, mx.floating):
+            out[name] = value.astype(compute)
+        else:
+            out[name] = value
+    return out
 
 
 def load_model(folder: str | Path, dtype: str | None = None,
@@ -128,12 +154,8 @@ def load_model(folder: str | Path, dtype: str | None = None,
             spec = quant.get(path, quant)
             return {"group_size": spec.get("group_size", 64), "bits": spec.get("bits", 4)}
         nn.quantize(model, class_predicate=quantized)
-    scale_dtype = mx.float32 if mx.default_device() == mx.cpu else compute
-    weights = {
-        k: (v.astype(scale_dtype) if k.endswith((".scales", ".biases")) and quant is not None
-            else v.astype(compute) if mx.issubdtype(v.dtype, mx.floating) else v)
-        for k, v in weights.items()
-    }
+    keep = _kernel_weights(model) if cpu_kernels else set()
+    weights = _cast_weights(weights, compute, quantized=quant is not None, keep_16bit=keep)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
