@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from desktop import qt_compat  # noqa: F401,I001  (before any signal is emitted; see the module)
 from PySide6.QtCore import QObject, Signal, Slot
 
 from backend.api import DoneEvent, GenerateRequest, Message as PromptMessage, ModelInfo

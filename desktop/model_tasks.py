@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from desktop import qt_compat  # noqa: F401,I001  (before any signal is emitted; see the module)
 from PySide6.QtCore import QDeadlineTimer, QObject, QThread, Signal, Slot
 
 from backend.errors import ArborError

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
+from desktop import qt_compat  # noqa: F401,I001  (before any signal is emitted; see the module)
 from PySide6.QtCore import QDeadlineTimer, QObject, QThread, Signal, Slot
 
 from backend.api import DoneEvent, GenerateRequest, ModelInfo, TokenEvent

@@ -9,7 +9,7 @@ Long paths show their last ``WINDOW`` messages; "Show earlier messages" reveals 
 from __future__ import annotations
 
 from PySide6.QtCore import QModelIndex, Qt, QTimer, Signal
-from PySide6.QtGui import QKeyEvent
+from PySide6.QtGui import QKeyEvent, QPalette
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -52,6 +52,8 @@ class ChatView(QScrollArea):
         self.setAccessibleName("Conversation")
         self._content = QWidget()
         self._content.setObjectName("chatContent")
+        self._content.setAutoFillBackground(True)
+        self._content.setBackgroundRole(QPalette.ColorRole.Base)
         self._column = QVBoxLayout(self._content)
         self._column.setContentsMargins(16, 12, 16, 12)
         self._column.setSpacing(8)
@@ -63,6 +65,7 @@ class ChatView(QScrollArea):
         self._column.addWidget(self._earlier)
         self._empty = QLabel("Ask anything. Replies are generated on this computer.")
         self._empty.setObjectName("emptyState")
+        self._empty.setForegroundRole(QPalette.ColorRole.PlaceholderText)
         self._empty.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self._empty.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Expanding)
         self._column.addWidget(self._empty)
@@ -111,9 +114,7 @@ class ChatView(QScrollArea):
         self._stick_to_bottom = False
         self._content.adjustSize()
         QTimer.singleShot(0, lambda: self.ensureWidgetVisible(widget, 0, 40))
-        widget.setProperty("highlighted", True)
-        widget.style().unpolish(widget)
-        widget.style().polish(widget)
+        widget.set_highlighted(True)
         QTimer.singleShot(1500, lambda: self._unhighlight(widget))
 
     def scroll_to_bottom(self) -> None:
@@ -191,9 +192,7 @@ class ChatView(QScrollArea):
     @staticmethod
     def _unhighlight(widget: MessageWidget) -> None:
         try:
-            widget.setProperty("highlighted", False)
-            widget.style().unpolish(widget)
-            widget.style().polish(widget)
+            widget.set_highlighted(False)
         except RuntimeError:  # the widget was deleted meanwhile
             pass
 
@@ -221,6 +220,8 @@ class Composer(QFrame):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("composer")
+        self.setAutoFillBackground(True)
+        self.setBackgroundRole(QPalette.ColorRole.Base)
         layout = QHBoxLayout(self)
         layout.setContentsMargins(12, 8, 12, 12)
         self.input = MessageInput()

@@ -160,7 +160,7 @@ class ConversationListModel(QAbstractListModel):
         if not page:
             self._total = len(self._summaries)
             return
-        self._sync(self._summaries + page)
+        self._append(page)
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -218,6 +218,31 @@ class ConversationListModel(QAbstractListModel):
             if isinstance(item, ConversationRow) and item.summary.id in changed:
                 index = self.index(row)
                 self.dataChanged.emit(index, index, [WarmRole, Qt.ItemDataRole.AccessibleTextRole])
+
+    def _append(self, page: list[ConversationSummary]) -> None:
+        """Add the next page at the end in one insert (the common case of scrolling down)."""
+        now = self._clock()
+        current = date_group(self._summaries[-1], now) if self._summaries else None
+        known_ids = {s.id for s in self._summaries}
+        known_headers = {row.key for row in self._rows if isinstance(row, HeaderRow)}
+        rows: list[Row] = []
+        for summary in page:
+            group = date_group(summary, now)
+            if group != current:
+                rows.append(HeaderRow(group))
+                current = group
+            rows.append(ConversationRow(summary))
+        if any(s.id in known_ids for s in page) or any(
+            isinstance(r, HeaderRow) and r.key in known_headers for r in rows
+        ):
+            # The list changed since the last page was read: fall back to a full diff.
+            self._sync(self._summaries + [s for s in page if s.id not in known_ids])
+            return
+        start = len(self._rows)
+        self.beginInsertRows(QModelIndex(), start, start + len(rows) - 1)
+        self._rows.extend(rows)
+        self._summaries.extend(page)
+        self.endInsertRows()
 
     def _sync(self, summaries: list[ConversationSummary]) -> None:
         """Make the rows equal ``build_rows(summaries)`` with minimal row operations."""

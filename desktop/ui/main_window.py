@@ -14,9 +14,8 @@ import logging
 from pathlib import Path
 
 from PySide6.QtCore import QEvent, Qt
-from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence
+from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence, QPalette
 from PySide6.QtWidgets import (
-    QApplication,
     QFileDialog,
     QHBoxLayout,
     QInputDialog,
@@ -50,29 +49,6 @@ log = logging.getLogger(__name__)
 
 LAST_CONVERSATION_KEY = "last_conversation"
 LAST_MODEL_KEY = "last_model"
-
-
-def stylesheet(dark: bool) -> str:
-    """Colours Qt's palette does not cover: message bubbles, muted labels, the sidebar."""
-    muted = "#9aa0aa" if dark else "#6b7280"
-    bubble = "#2c2f38" if dark else "#eef1f6"
-    sidebar = "#191a1e" if dark else "#eceef1"
-    chat = "#1e1f24" if dark else "#ffffff"
-    accent = "#7aa2f7" if dark else "#2563eb"
-    banner = "#3a3320" if dark else "#fff4d6"
-    return f"""
-        QFrame#sidebar {{ background: {sidebar}; }}
-        QFrame#sidebar QListView {{ background: {sidebar}; }}
-        QWidget#chatContent, QScrollArea {{ background: {chat}; }}
-        QFrame#userMessage {{ background: {bubble}; border-radius: 12px; }}
-        QFrame#assistantMessage {{ background: transparent; }}
-        QFrame#userMessage[highlighted="true"], QFrame#assistantMessage[highlighted="true"] {{
-            border: 2px solid {accent}; border-radius: 12px; }}
-        QLabel#stats, QLabel#statusNote, QLabel#emptyState, QLabel#modelLabel {{ color: {muted}; }}
-        QLabel#chatTitle {{ font-weight: bold; }}
-        QFrame#undoBanner {{ background: {banner}; border-radius: 6px; }}
-        QFrame#composer {{ background: {chat}; }}
-    """
 
 
 class MainWindow(QMainWindow):
@@ -130,9 +106,13 @@ class MainWindow(QMainWindow):
         row.setContentsMargins(16, 8, 12, 4)
         self.title_label = QLabel(PLACEHOLDER_TITLE)
         self.title_label.setObjectName("chatTitle")
+        font = self.title_label.font()
+        font.setBold(True)
+        self.title_label.setFont(font)
         self.title_label.setAccessibleName("Conversation title")
         self.model_label = QLabel("No model")
         self.model_label.setObjectName("modelLabel")
+        self.model_label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
         self.model_label.setAccessibleName("Loaded model")
         self.models_button = QPushButton("Models…")
         self.models_button.setAccessibleName("Open the model manager")
@@ -437,9 +417,6 @@ class MainWindow(QMainWindow):
         self.theme_actions[choice].setChecked(True)
 
     def _apply_theme(self, dark: bool) -> None:
-        app = QApplication.instance()
-        if app is not None:
-            app.setStyleSheet(stylesheet(dark))
         self.renderer = MarkdownRenderer(self.theme.markdown_palette)
         self.chat_view.set_renderer(self.renderer)
 

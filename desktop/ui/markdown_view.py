@@ -67,8 +67,8 @@ class AutoHeightBrowser(QTextBrowser):
         self.setTextInteractionFlags(
             Qt.TextInteractionFlag.TextBrowserInteraction | Qt.TextInteractionFlag.TextSelectableByKeyboard
         )
-        self.viewport().setAutoFillBackground(False)
-        self.setStyleSheet("QTextBrowser { background: transparent; }")
+        self.viewport().setAutoFillBackground(False)  # the message's own background shows through
+        self.setAutoFillBackground(False)
         self.document().setDocumentMargin(2)
         self.anchorClicked.connect(self._on_anchor)
         self.document().documentLayout().documentSizeChanged.connect(self._fit)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QGuiApplication, QKeySequence, QShortcut
+from PySide6.QtCore import QRectF, Qt, Signal
+from PySide6.QtGui import QGuiApplication, QKeySequence, QPainter, QPalette, QPen, QShortcut
 from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
@@ -95,6 +95,7 @@ class MessageWidget(QFrame):
         self.speaker.setFont(font)
         self.note = QLabel()
         self.note.setObjectName("statusNote")
+        self.note.setForegroundRole(QPalette.ColorRole.PlaceholderText)
         header.addWidget(self.speaker)
         header.addWidget(self.note)
         header.addStretch(1)
@@ -110,46 +111,18 @@ class MessageWidget(QFrame):
             header.addWidget(widget)
         outer.addLayout(header)
 
-        self.reasoning_toggle = QToolButton()
-        self.reasoning_toggle.setCheckable(True)
-        self.reasoning_toggle.setAutoRaise(True)
-        self.reasoning_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
-        self.reasoning_toggle.setArrowType(Qt.ArrowType.RightArrow)
-        self.reasoning_toggle.setAccessibleName("Show reasoning")
-        self.reasoning_view = MarkdownView(renderer)
-        self.reasoning_view.setObjectName("reasoning")
-        self.reasoning_view.hide()
-        self.reasoning_toggle.toggled.connect(self._toggle_reasoning)
-        outer.addWidget(self.reasoning_toggle)
-        outer.addWidget(self.reasoning_view)
-
+        self._outer = outer
+        self.reasoning_toggle: QToolButton | None = None  # created for replies that reason
+        self.reasoning_view: MarkdownView | None = None
         self.body = MarkdownView(renderer)
         self.body.copy_requested.connect(self.code_copied)
         outer.addWidget(self.body)
-
-        self.editor = QPlainTextEdit()
-        self.editor.setAccessibleName("Edit message text")
-        self.editor.setFixedHeight(110)
-        self.editor_buttons = QWidget()
-        row = QHBoxLayout(self.editor_buttons)
-        row.setContentsMargins(0, 0, 0, 0)
-        row.addStretch(1)
-        self.cancel_edit_button = QPushButton("Cancel")
-        self.cancel_edit_button.setAccessibleName("Cancel edit")
-        self.send_edit_button = QPushButton("Send as new branch")
-        self.send_edit_button.setAccessibleName("Send edited message")
-        self.send_edit_button.setDefault(True)
-        row.addWidget(self.cancel_edit_button)
-        row.addWidget(self.send_edit_button)
-        outer.addWidget(self.editor)
-        outer.addWidget(self.editor_buttons)
-        self.editor.hide()
-        self.editor_buttons.hide()
-        QShortcut(QKeySequence("Ctrl+Return"), self.editor, activated=self._submit_edit)
-        QShortcut(QKeySequence(Qt.Key.Key_Escape), self.editor, activated=self.cancel_edit)
+        self.editor: QPlainTextEdit | None = None  # created on the first edit
+        self.editor_buttons: QWidget | None = None
 
         self.stats_label = QLabel()
         self.stats_label.setObjectName("stats")
+        self.stats_label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
         self.stats_label.setAccessibleName("Reply statistics")
         self.stats_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         outer.addWidget(self.stats_label)
@@ -159,8 +132,6 @@ class MessageWidget(QFrame):
         self.copy_button.clicked.connect(self._copy)
         self.edit_button.clicked.connect(self.begin_edit)
         self.regenerate_button.clicked.connect(lambda: self.regenerate_clicked.emit(self.item.message.id))
-        self.cancel_edit_button.clicked.connect(self.cancel_edit)
-        self.send_edit_button.clicked.connect(self._submit_edit)
         self.update_item(item, streaming=False, force=True)
 
     # -- state -----------------------------------------------------------------------------------
@@ -201,18 +172,39 @@ class MessageWidget(QFrame):
     def _show_text(self, content: str, is_user: bool, streaming: bool) -> None:
         reasoning, answer = ("", content) if is_user else split_reasoning(content)
         has_reasoning = bool(reasoning) or (not is_user and content.lstrip().startswith(("<think>", "<thinking>", "<reasoning>")))
-        self.reasoning_toggle.setVisible(has_reasoning)
         if has_reasoning:
-            thinking = streaming and not answer
-            self.reasoning_toggle.setText("Thinking…" if thinking else "Reasoning")
-            self.reasoning_view.set_markdown(reasoning, streaming=streaming)
+            self._ensure_reasoning()
+        if self.reasoning_toggle is not None:
+            self.reasoning_toggle.setVisible(has_reasoning)
+            if has_reasoning:
+                self.reasoning_toggle.setText("Thinking…" if streaming and not answer else "Reasoning")
+                self.reasoning_view.set_markdown(reasoning, streaming=streaming)
         self.body.set_markdown(answer, streaming=streaming)
         self.body.setVisible(bool(answer) or not has_reasoning)
+
+    def _ensure_reasoning(self) -> None:
+        if self.reasoning_toggle is not None:
+            return
+        self.reasoning_toggle = QToolButton()
+        self.reasoning_toggle.setCheckable(True)
+        self.reasoning_toggle.setAutoRaise(True)
+        self.reasoning_toggle.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.reasoning_toggle.setArrowType(Qt.ArrowType.RightArrow)
+        self.reasoning_toggle.setAccessibleName("Show reasoning")
+        self.reasoning_view = MarkdownView(self._renderer)
+        self.reasoning_view.setObjectName("reasoning")
+        self.reasoning_view.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+        self.reasoning_view.hide()
+        self.reasoning_toggle.toggled.connect(self._toggle_reasoning)
+        index = self._outer.indexOf(self.body)
+        self._outer.insertWidget(index, self.reasoning_view)
+        self._outer.insertWidget(index, self.reasoning_toggle)
 
     def set_renderer(self, renderer: MarkdownRenderer) -> None:
         self._renderer = renderer
         self.body.set_renderer(renderer)
-        self.reasoning_view.set_renderer(renderer)
+        if self.reasoning_view is not None:
+            self.reasoning_view.set_renderer(renderer)
 
     # -- actions ---------------------------------------------------------------------------------
 
@@ -234,6 +226,7 @@ class MessageWidget(QFrame):
         self.copy_clicked.emit(self.item.message.id)
 
     def begin_edit(self) -> None:
+        self._ensure_editor()
         self.editor.setPlainText(self.item.message.content)
         self.body.hide()
         self.editor.show()
@@ -241,13 +234,60 @@ class MessageWidget(QFrame):
         self.editor.setFocus()
 
     def cancel_edit(self) -> None:
+        if self.editor is None:
+            return
         self.editor.hide()
         self.editor_buttons.hide()
         self.body.show()
 
     @property
     def editing(self) -> bool:
-        return self.editor.isVisible() or not self.editor.isHidden()
+        return self.editor is not None and not self.editor.isHidden()
+
+    def _ensure_editor(self) -> None:
+        if self.editor is not None:
+            return
+        self.editor = QPlainTextEdit()
+        self.editor.setAccessibleName("Edit message text")
+        self.editor.setFixedHeight(110)
+        self.editor_buttons = QWidget()
+        row = QHBoxLayout(self.editor_buttons)
+        row.setContentsMargins(0, 0, 0, 0)
+        row.addStretch(1)
+        self.cancel_edit_button = QPushButton("Cancel")
+        self.cancel_edit_button.setAccessibleName("Cancel edit")
+        self.send_edit_button = QPushButton("Send as new branch")
+        self.send_edit_button.setAccessibleName("Send edited message")
+        self.send_edit_button.setDefault(True)
+        row.addWidget(self.cancel_edit_button)
+        row.addWidget(self.send_edit_button)
+        index = self._outer.indexOf(self.body) + 1
+        self._outer.insertWidget(index, self.editor_buttons)
+        self._outer.insertWidget(index, self.editor)
+        QShortcut(QKeySequence("Ctrl+Return"), self.editor, activated=self._submit_edit)
+        QShortcut(QKeySequence(Qt.Key.Key_Escape), self.editor, activated=self.cancel_edit)
+        self.cancel_edit_button.clicked.connect(self.cancel_edit)
+        self.send_edit_button.clicked.connect(self._submit_edit)
+
+    # -- painting --------------------------------------------------------------------------------
+
+    def set_highlighted(self, highlighted: bool) -> None:
+        """Flash a border (a search hit that was jumped to)."""
+        self.setProperty("highlighted", highlighted)
+        self.update()
+
+    def paintEvent(self, event) -> None:  # noqa: N802 - Qt override: bubbles without stylesheets
+        highlighted = bool(self.property("highlighted"))
+        if self.item.message.role != "user" and not highlighted:
+            return
+        painter = QPainter(self)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        rect = QRectF(self.rect()).adjusted(1, 1, -1, -1)
+        palette = self.palette()
+        painter.setPen(QPen(palette.color(QPalette.ColorRole.Link), 2) if highlighted else Qt.PenStyle.NoPen)
+        painter.setBrush(palette.color(QPalette.ColorRole.AlternateBase) if self.item.message.role == "user"
+                         else Qt.BrushStyle.NoBrush)
+        painter.drawRoundedRect(rect, 12, 12)
 
     def _submit_edit(self) -> None:
         text = self.editor.toPlainText()

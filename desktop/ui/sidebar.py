@@ -142,6 +142,8 @@ class Sidebar(QFrame):
     def __init__(self, model: ConversationListModel, results: SearchResultsModel, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setObjectName("sidebar")
+        self.setAutoFillBackground(True)
+        self.setBackgroundRole(QPalette.ColorRole.Window)
         self.model = model
         self.results = results
         layout = QVBoxLayout(self)
@@ -179,11 +181,13 @@ class Sidebar(QFrame):
         self.list_view.customContextMenuRequested.connect(self._context_menu)
         self.list_view.selectionModel().currentChanged.connect(self._on_current_changed)
         self.list_view.installEventFilter(self)
+        self.list_view.viewport().setBackgroundRole(QPalette.ColorRole.Window)
         self.results_view = QListView()
         self.results_view.setAccessibleName("Search results")
         self.results_view.setModel(results)
         self.results_view.setItemDelegate(SearchHitDelegate(self.results_view))
         self.results_view.setFrameShape(QFrame.Shape.NoFrame)
+        self.results_view.viewport().setBackgroundRole(QPalette.ColorRole.Window)
         self.results_view.activated.connect(self._on_hit_activated)
         self.results_view.clicked.connect(self._on_hit_activated)
         self.no_results = QLabel("No matches")
@@ -195,6 +199,8 @@ class Sidebar(QFrame):
 
         self.undo_banner = QFrame()
         self.undo_banner.setObjectName("undoBanner")
+        self.undo_banner.setAutoFillBackground(True)
+        self.undo_banner.setBackgroundRole(QPalette.ColorRole.ToolTipBase)
         banner = QHBoxLayout(self.undo_banner)
         banner.setContentsMargins(8, 4, 4, 4)
         self.undo_label = QLabel()

@@ -26,7 +26,7 @@ def main(database: str, model_folder: str) -> int:
         return PacedEngine(Engine.load(model_folder), delay_s=0.03)
 
     store = ChatStore(database)
-    store.set_default_settings(ChatSettings(max_tokens=400, temperature=1.0, top_p=1.0, min_p=0.0))
+    store.set_default_settings(ChatSettings(max_tokens=400, temperature=0.0))  # greedy: a long reply every run
     parts = create_app("tiny", loader=loader, store=store, theme="light")
     window = parts.window
 
@@ -37,6 +37,7 @@ def main(database: str, model_folder: str) -> int:
             print(json.dumps({"conversation": conversation_id, "message": message_id, "shown": shown}), flush=True)
 
     window.controller.reply_updated.connect(report)
+    window.controller.reply_ended.connect(lambda *_: print(json.dumps({"ended": True}), flush=True))
     window.controller.model_loaded.connect(lambda _info: window.send("Tell me everything about trees."))
     window.show()
     return parts.app.exec()

@@ -28,7 +28,9 @@ def test_sigkill_mid_reply_loses_nothing_that_was_shown(qtbot, tiny_folder, tmp_
     watchdog.start()
     try:
         for line in child.stdout:  # blocks until the child shows something; ends if it dies
-            last = json.loads(line)
+            update = json.loads(line)
+            assert not update.get("ended"), "the reply ended before the test could kill the app"
+            last = update
             if len(last["shown"]) >= 20:
                 break
         assert last is not None and len(last["shown"]) >= 20, "the child never showed a streaming reply"

@@ -107,3 +107,20 @@ def test_titles():
     assert clean_title('Title: "Reversing lists in Python".') == "Reversing lists in Python"
     assert clean_title("<think>hmm</think>Python lists") == "Python lists"
     assert clean_title("�\x06��") is None and clean_title("") is None and clean_title("!!!??") is None
+
+
+def test_pyside_refcount_guard_is_active_whenever_the_bug_is_present():
+    import sys
+
+    from PySide6.QtCore import QObject, Signal
+
+    from desktop import qt_compat
+
+    class Emitter(QObject):
+        ping = Signal()
+
+    emitter = Emitter()
+    for _ in range(200_000):  # would exhaust True's references on an affected, unguarded build
+        emitter.ping.emit()
+    assert qt_compat._installed or not qt_compat.bug_present()
+    assert sys.getrefcount(True) > 0
