@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from PySide6.QtCore import QEvent, Qt
+from PySide6.QtCore import QEvent, Qt, QTimer
 from PySide6.QtGui import QAction, QActionGroup, QCloseEvent, QKeySequence, QPalette
 from PySide6.QtWidgets import (
     QFileDialog,
@@ -91,6 +91,7 @@ class MainWindow(QMainWindow):
         self._connect()
         self._apply_theme(theme.dark)
 
+        QTimer.singleShot(300, self.renderer.warm_up)  # while the user reads, not while they wait
         last = store.app_setting(LAST_CONVERSATION_KEY)
         self.open_conversation(last if isinstance(last, int) and self._exists(last) else None)
         if load_model:

@@ -65,6 +65,11 @@ class MarkdownRenderer:
         else:
             self._formatter = HtmlFormatter(nowrap=True, noclasses=True, style=get_style_by_name(palette.pygments_style))
 
+    def warm_up(self) -> None:
+        """Import the Markdown and highlighting machinery now (tens of milliseconds, once) so the
+        first reply with code does not pay for it."""
+        self.render("*warm*\n\n```python\nx = 1\n```\n\n| a |\n|---|\n| 1 |\n")
+
     def render(self, text: str) -> Rendered:
         """HTML for ``text`` (complete or still streaming: an open code fence runs to the end)."""
         if self._md is None:

@@ -13,7 +13,7 @@ import math
 import re
 
 from PySide6.QtCore import QSize, Qt, QUrl, Signal
-from PySide6.QtGui import QDesktopServices, QGuiApplication
+from PySide6.QtGui import QDesktopServices, QGuiApplication, QPalette
 from PySide6.QtWidgets import QFrame, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget
 
 from desktop.ui.markdown_render import COPY_SCHEME, MarkdownRenderer, Rendered
@@ -112,9 +112,10 @@ class MarkdownView(QWidget):
 
     copy_requested = Signal(str)
 
-    def __init__(self, renderer: MarkdownRenderer, parent: QWidget | None = None) -> None:
+    def __init__(self, renderer: MarkdownRenderer, parent: QWidget | None = None, *, muted: bool = False) -> None:
         super().__init__(parent)
         self._renderer = renderer
+        self._muted = muted  # secondary text (reasoning): drawn in the palette's placeholder colour
         self._layout = QVBoxLayout(self)
         self._layout.setContentsMargins(0, 0, 0, 0)
         self._layout.setSpacing(0)
@@ -157,7 +158,11 @@ class MarkdownView(QWidget):
                     continue
             else:
                 browser = AutoHeightBrowser(self)
-                browser.setAccessibleName("Message text")
+                browser.setAccessibleName("Reasoning text" if self._muted else "Message text")
+                if self._muted:
+                    palette = browser.palette()
+                    palette.setColor(QPalette.ColorRole.Text, palette.color(QPalette.ColorRole.PlaceholderText))
+                    browser.setPalette(palette)
                 browser.copy_requested.connect(self.copy_requested)
                 self._layout.addWidget(browser)
                 self._browsers.append(browser)

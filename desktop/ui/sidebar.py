@@ -8,7 +8,7 @@ fed by ``ConversationListModel`` (lazy pages through ``canFetchMore``/``fetchMor
 from __future__ import annotations
 
 from PySide6.QtCore import QEvent, QModelIndex, QRect, QSize, Qt, QTimer, Signal
-from PySide6.QtGui import QAction, QColor, QFont, QPainter, QPalette
+from PySide6.QtGui import QAction, QColor, QFont, QFontMetrics, QPainter, QPalette, QPen
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QFrame,
@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from desktop.store import SearchHit
+from desktop.store import HIT_END, HIT_START, SearchHit
 from desktop.ui.conversation_list_model import (
     ConversationIdRole,
     ConversationListModel,
@@ -34,7 +34,7 @@ from desktop.ui.conversation_list_model import (
     PinnedRole,
     WarmRole,
 )
-from desktop.ui.simple_models import HitRole, SearchResultsModel, plain_snippet
+from desktop.ui.simple_models import HitRole, SearchResultsModel
 
 SEARCH_DEBOUNCE_MS = 120
 UNDO_SECONDS = 10
@@ -81,10 +81,7 @@ class ConversationDelegate(QStyledItemDelegate):
             painter.drawEllipse(right - diameter, rect.center().y() - diameter // 2, diameter, diameter)
             right -= diameter + 6
         if index.data(PinnedRole):
-            painter.setPen(palette.color(QPalette.ColorRole.PlaceholderText))
-            width = option.fontMetrics.horizontalAdvance("📌")
-            painter.drawText(QRect(right - width, rect.top(), width, rect.height()), Qt.AlignmentFlag.AlignVCenter, "📌")
-            right -= width + 4
+            right = _paint_pin(painter, right, rect.center().y(), palette.color(QPalette.ColorRole.PlaceholderText)) - 6
         painter.setPen(text_color)
         painter.setFont(option.font)
         text_rect = QRect(rect.left() + 12, rect.top(), right - rect.left() - 14, rect.height())
@@ -119,11 +116,41 @@ class SearchHitDelegate(QStyledItemDelegate):
         painter.drawText(QRect(inner.left(), inner.top(), inner.width(), line), Qt.AlignmentFlag.AlignLeft,
                          option.fontMetrics.elidedText(hit.title, Qt.TextElideMode.ElideRight, inner.width()))
         if hit.message_id is not None:
-            painter.setFont(option.font)
-            painter.setPen(palette.color(QPalette.ColorRole.PlaceholderText))
-            snippet = option.fontMetrics.elidedText(plain_snippet(hit.snippet), Qt.TextElideMode.ElideRight, inner.width())
-            painter.drawText(QRect(inner.left(), inner.top() + line, inner.width(), line), Qt.AlignmentFlag.AlignLeft, snippet)
+            _paint_snippet(painter, option.font, hit.snippet, QRect(inner.left(), inner.top() + line, inner.width(), line),
+                           palette.color(QPalette.ColorRole.PlaceholderText), palette.color(QPalette.ColorRole.Text))
         painter.restore()
+
+
+def _paint_pin(painter: QPainter, right: int, center_y: int, color: QColor) -> int:
+    """A small push-pin (head and needle) ending at ``right``; returns its left edge."""
+    painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+    painter.setPen(Qt.PenStyle.NoPen)
+    painter.setBrush(color)
+    painter.drawEllipse(right - 8, center_y - 6, 7, 7)
+    painter.setPen(QPen(color, 1.5))
+    painter.drawLine(right - 5, center_y + 1, right - 7, center_y + 6)
+    return right - 9
+
+
+def _paint_snippet(painter: QPainter, font: QFont, snippet: str, rect: QRect, muted: QColor, strong: QColor) -> None:
+    """The snippet on one line, matched words bold (between ``HIT_START``/``HIT_END``), elided."""
+    bold = QFont(font)
+    bold.setBold(True)
+    x = rect.left()
+    parts = snippet.replace("\n", " ").replace(HIT_END, HIT_START).split(HIT_START)
+    for number, part in enumerate(parts):
+        matched = number % 2 == 1
+        painter.setFont(bold if matched else font)
+        painter.setPen(strong if matched else muted)
+        metrics = QFontMetrics(bold if matched else font)
+        room = rect.right() - x
+        if room <= 0:
+            break
+        text = metrics.elidedText(part, Qt.TextElideMode.ElideRight, room)
+        painter.drawText(QRect(x, rect.top(), room, rect.height()), Qt.AlignmentFlag.AlignLeft, text)
+        if text != part:
+            break
+        x += metrics.horizontalAdvance(part)
 
 
 class Sidebar(QFrame):
