@@ -196,3 +196,30 @@ def test_layer_captures_scheduled_states_inside_one_batched_write(qwen3_next):
         tail = qwen3_next(tokens[:, target:], caches)
         fresh, _ = _run(qwen3_next, tokens, [target, 90 - target])
         assert close(tail, fresh[:, target:], 1e-4), target
+
+
+def test_head_groups_on_separate_cpu_streams_change_nothing(qwen3_next, monkeypatch):
+    """Long writes split a layer's heads over CPU streams; outputs and every captured state are
+    bitwise those of the single-stream scan."""
+    import backend.caches.scan as scan
+
+    tokens = mx.array(np.random.default_rng(3).integers(0, 250, (1, 130)))
+
+    def run(streams: int):
+        monkeypatch.setattr(scan, "CPU_STREAMS", streams)
+        caches = qwen3_next.make_caches()
+        for c in caches:
+            c.prepare_snapshots([40, 100])
+        logits = qwen3_next(tokens, caches)
+        snaps = [c.take_snapshots() for c in caches if isinstance(c, RecurrentCache)]
+        states = [a for c in caches if isinstance(c, RecurrentCache) for a in c.arrays()]
+        return logits, states, snaps
+
+    assert scan.parallel_groups(2, 130) == 2 and scan.parallel_groups(2, 8) == 1
+    split, split_states, split_snaps = run(2)
+    single, single_states, single_snaps = run(1)
+    assert mx.array_equal(split, single)
+    assert all(mx.array_equal(a, b) for a, b in zip(split_states, single_states))
+    for ours, ref in zip(split_snaps, single_snaps):
+        for a, b in zip(ours, ref):
+            assert all(mx.array_equal(x, y) for x, y in zip(a.arrays(), b.arrays()))

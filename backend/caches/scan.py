@@ -37,6 +37,41 @@ CHUNK = 64
 #: Writes of at most this many tokens use the per-token recurrence (decode, verify blocks).
 RECURRENT_MAX_TOKENS = 8
 
+#: Writes of at least this many tokens split a layer's heads over ``CPU_STREAMS`` streams.
+PARALLEL_MIN_TOKENS = 64
+
+#: MLX's CPU backend runs the non-BLAS ops of a stream on one thread, so a long scan leaves
+#: the second core of a small machine idle. Independent head groups submitted on separate CPU
+#: streams run concurrently (about 1.4x faster for a 2k-token gated-delta layer on 2 cores).
+CPU_STREAMS = 2
+
+_side_streams: list[mx.Stream] = []
+
+
+def parallel_groups(heads: int, tokens: int) -> int:
+    """How many head groups a write of ``tokens`` tokens should run as (1: no split)."""
+    if mx.default_device() != mx.cpu or tokens < PARALLEL_MIN_TOKENS:
+        return 1
+    groups = min(CPU_STREAMS, heads)
+    while heads % groups:
+        groups -= 1
+    return groups
+
+
+def run_on_streams(fn, items: Sequence) -> list:
+    """``[fn(item) for item in items]`` with item ``i`` built on CPU stream ``i`` (the default
+    stream first). MLX orders cross-stream dependencies itself; results are ordinary arrays."""
+    if len(items) <= 1:
+        return [fn(item) for item in items]
+    while len(_side_streams) < len(items) - 1:
+        _side_streams.append(mx.new_stream(mx.cpu))
+    streams = [mx.default_stream(mx.cpu)] + _side_streams[:len(items) - 1]
+    results = []
+    for item, stream in zip(items, streams):
+        with mx.stream(stream):
+            results.append(fn(item))
+    return results
+
 
 def _check_boundaries(boundaries: Sequence[int], n: int) -> list[int]:
     bounds = list(boundaries)

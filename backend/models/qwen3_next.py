@@ -28,7 +28,7 @@ import mlx.nn as nn
 from backend.caches.base import Cache
 from backend.caches.kv import KVCache
 from backend.caches.recurrent import RecurrentCache
-from backend.caches.scan import causal_conv1d, gated_delta
+from backend.caches.scan import causal_conv1d, gated_delta, parallel_groups, run_on_streams
 from backend.errors import ModelLoadError
 from backend.models.base import args_from_config
 from backend.models.layers import Attention, AttentionShape, GatedMLP, RMSNorm
@@ -148,25 +148,70 @@ class GatedDeltaNet(nn.Module):
         b, n, _ = x.shape
         mixed, z, beta_in, decay_in = self._split_projections(x)
         bounds = cache.boundaries(n)
-        conv_out, conv_states = causal_conv1d(mixed, self.conv1d.weight[..., 0], cache.conv,
-                                              bounds)
+        beta = mx.sigmoid(beta_in.astype(mx.float32))  # (B, N, Hv)
+        log_g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(
+            decay_in.astype(mx.float32) + self.dt_bias.astype(mx.float32))
+        groups = parallel_groups(self.num_k_heads, n)
+        per_group = run_on_streams(
+            lambda g: self._mix_heads(g, groups, mixed, z, beta, log_g, cache, bounds),
+            range(groups))
+        if groups == 1:
+            y, conv_states, delta_states = per_group[0]
+        else:
+            y = mx.concatenate([r[0] for r in per_group], axis=2)
+            conv_states = [self._join_conv_states([r[1][i] for r in per_group])
+                           for i in range(len(bounds))]
+            delta_states = [mx.concatenate([r[2][i] for r in per_group], axis=1)
+                            for i in range(len(bounds))]
+        cache.advance(n, conv_states, delta_states)
+        return self.out_proj(y.reshape(b, n, -1))
+
+    def _group_columns(self, group: int, groups: int) -> list[tuple[int, int]]:
+        """Conv channel ranges of key-head group ``group``: its q, k and v columns."""
+        qk = self.key_dim // groups
+        vv = self.value_dim // groups
+        return [(group * qk, (group + 1) * qk),
+                (self.key_dim + group * qk, self.key_dim + (group + 1) * qk),
+                (2 * self.key_dim + group * vv, 2 * self.key_dim + (group + 1) * vv)]
+
+    def _join_conv_states(self, parts: list[mx.array]) -> mx.array:
+        """Per-group conv states ([q_g | k_g | v_g] each) -> [all q | all k | all v]."""
+        groups = len(parts)
+        qk, vv = self.key_dim // groups, self.value_dim // groups
+        pieces = [p[..., :qk] for p in parts] + [p[..., qk:2 * qk] for p in parts] + [
+            p[..., 2 * qk:2 * qk + vv] for p in parts]
+        return mx.concatenate(pieces, axis=-1)
+
+    def _mix_heads(self, group: int, groups: int, mixed: mx.array, z: mx.array, beta: mx.array,
+                   log_g: mx.array, cache: RecurrentCache, bounds: list[int]):
+        """Conv, normalisation, gated delta scan and gated norm for one group of key heads and
+        their value heads: (y (B, N, Hv/groups, Dv), conv states, delta states) at ``bounds``."""
+        b, n, _ = mixed.shape
+        weight, state = self.conv1d.weight[..., 0], cache.conv  # (C, K), (B, K-1, C)
+        if groups > 1:
+            cols = self._group_columns(group, groups)
+            mixed = mx.concatenate([mixed[..., lo:hi] for lo, hi in cols], axis=-1)
+            weight = mx.concatenate([weight[lo:hi] for lo, hi in cols], axis=0)
+            if state is not None:
+                state = mx.concatenate([state[..., lo:hi] for lo, hi in cols], axis=-1)
+        conv_out, conv_states = causal_conv1d(mixed, weight, state, bounds)
         conv_out = nn.silu(conv_out)
-        q, k, v = mx.split(conv_out, [self.key_dim, 2 * self.key_dim], axis=-1)
-        q = q.reshape(b, n, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(b, n, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(b, n, self.num_v_heads, self.head_v_dim)
+        hk, hv = self.num_k_heads // groups, self.num_v_heads // groups
+        key_width = hk * self.head_k_dim
+        q, k, v = mx.split(conv_out, [key_width, 2 * key_width], axis=-1)
+        q = q.reshape(b, n, hk, self.head_k_dim)
+        k = k.reshape(b, n, hk, self.head_k_dim)
+        v = v.reshape(b, n, hv, self.head_v_dim)
         # L2-normalise (eps 1e-6 on the sum of squares) and fold the readout scale into q:
         # rms_norm with eps / D is sqrt(D) * l2norm.
         inv = self.head_k_dim ** -0.5
         q = mx.fast.rms_norm(q, None, 1e-6 * inv * inv) * (inv * inv)
         k = mx.fast.rms_norm(k, None, 1e-6 * inv * inv) * inv
-        beta = mx.sigmoid(beta_in.astype(mx.float32))
-        log_g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(
-            decay_in.astype(mx.float32) + self.dt_bias.astype(mx.float32))
-        y, delta_states = gated_delta(q, k, v, log_g, beta, cache.delta, bounds)
-        cache.advance(n, conv_states, delta_states)
-        y = self.norm(y.astype(x.dtype), z)  # (B, N, Hv, Dv)
-        return self.out_proj(y.reshape(b, n, -1))
+        heads = slice(group * hv, (group + 1) * hv)
+        delta = None if cache.delta is None else cache.delta[:, heads]
+        y, delta_states = gated_delta(q, k, v, log_g[..., heads], beta[..., heads], delta, bounds)
+        y = self.norm(y.astype(mixed.dtype), z[:, :, heads])  # (B, N, Hv/groups, Dv)
+        return y, conv_states, delta_states
 
 
 class DecoderLayer(nn.Module):
