@@ -66,7 +66,8 @@ def write_variant(source: Path, dest: Path, fmt: str) -> Path:
     """Write ``source`` as a plain HF folder in ``fmt`` (reused if already there)."""
     if (dest / "config.json").is_file():
         return dest
-    loaded = load_model(source, dtype="float32")
+    # Plain MLX layers: the kernels keep quantized weights quantized, we want them dense here.
+    loaded = load_model(source, dtype="float32", cpu_kernels=False)
     config = {k: v for k, v in loaded.config.items()
               if k not in ("quantization", "quantization_config")}
     weights = dict(tree_flatten(loaded.model.parameters()))
