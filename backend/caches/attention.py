@@ -109,8 +109,22 @@ def query_blocks(history: KVHistory, mask: AttentionMask) -> list[_KeyRange] | N
 
 
 def scaled_dot_product_attention(queries: mx.array, history: KVHistory, mask: AttentionMask,
-                                 scale: float, key_padding: mx.array | None = None) -> mx.array:
-    """``queries`` (B, n_heads, Q, D) against the cache history -> (B, n_heads, Q, Dv)."""
+                                 scale: float, key_padding: mx.array | None = None,
+                                 native: bool = False) -> mx.array:
+    """``queries`` (B, n_heads, Q, D) against the cache history -> (B, n_heads, Q, Dv).
+
+    ``native``: a few float32 queries (decode, verification) whose mask is "all keys" or
+    "causal" go to the native CPU attention kernel when it is built.
+    """
+    if native and key_padding is None:
+        mask_arg = attention_mask(history, mask)
+        if mask_arg is None or isinstance(mask_arg, str):
+            from backend import kernels
+
+            out = kernels.attention(queries, history.keys, history.values, scale,
+                                    causal=mask_arg == "causal")
+            if out is not None:
+                return out
     blocks = None if key_padding is not None else query_blocks(history, mask)
     if blocks is not None:
         outs = []

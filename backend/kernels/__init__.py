@@ -14,7 +14,17 @@ AVX2 FMA on a small thread pool:
   scales and biases; equals ``mx.quantized_matmul(..., transpose=True)``.
 
 Both are meant for a handful of rows of ``x`` (decode, speculative verification: up to
-~8); callers keep MLX's own matmul for prefill. ``linear`` / ``quantized_linear`` make
+~8); callers keep MLX's own matmul for prefill.
+
+Three more primitives cover the rest of a decode step, where MLX's CPU backend runs a graph
+of tiny ops (a dispatch each) for what is one pass over a few KB:
+
+* ``attention(q, k, v, scale, causal)``: softmax attention of up to 8 float32 queries per head
+  over a cache view (grouped-query heads read each key/value row once);
+* ``rms_norm(x, weight, eps)`` and ``rope(x, dims, offset, scale, inv_freqs)``: the
+  ``mx.fast`` ops for decode-sized float32 inputs (larger ones stay with MLX).
+
+Models turn them on per module (``native_ops``) when ``use_cpu_kernels`` runs. ``linear`` / ``quantized_linear`` make
 that choice (kernel when available and it applies, plain MLX otherwise). Nothing here raises when the extension is absent: ``available()`` is False
 (not built, built for another MLX, macOS, non-x86 CPU, or ``ARBOR_KERNELS=0``) and
 callers use plain MLX. ``ensure_built()`` compiles it on first use where a compiler and
@@ -39,10 +49,13 @@ __all__ = [
     "available",
     "ensure_built",
     "isa",
+    "attention",
     "linear",
     "matvec",
     "matvec_q",
     "quantized_linear",
+    "rms_norm",
+    "rope",
     "set_num_threads",
     "unavailable_reason",
 ]
@@ -231,6 +244,57 @@ def quantized_linear(
         except ValueError:
             pass  # shapes MLX may still accept (or reject with its own message)
     return mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group_size, bits=bits)
+
+
+#: Most query rows per head that ``attention`` sends to the kernel (decode, verify blocks).
+MAX_ATTENTION_QUERIES = 8
+
+#: Largest input (elements) ``rms_norm`` / ``rope`` send to the kernels: decode-sized work,
+#: where MLX's composed CPU fallbacks cost a dispatch per op. Prefill keeps MLX.
+MAX_NORM_ELEMENTS = 1 << 16
+
+
+def _f32_on_cpu(*arrays: Any) -> bool:
+    import mlx.core as mx
+
+    return all(a.dtype == mx.float32 for a in arrays) and available() and _on_cpu()
+
+
+def attention(q: Any, k: Any, v: Any, scale: float, causal: bool) -> Any | None:
+    """``softmax(scale * q @ k.T) @ v`` through the kernel, or None when it does not apply
+    (then use MLX). q (B, Hq, M, D), k/v (B, Hkv, L, D|Dv); ``causal`` is aligned to the
+    last key (query i sees keys 0 .. L - M + i), as MLX's ``mask="causal"``."""
+    if (
+        q.ndim == 4 and k.ndim == 4 and v.ndim == 4
+        and q.shape[2] <= MAX_ATTENTION_QUERIES
+        and _f32_on_cpu(q, k, v)
+    ):
+        return _module.attention(q, k, v, float(scale), bool(causal))
+    return None
+
+
+def rms_norm(x: Any, weight: Any | None, eps: float) -> Any:
+    """``mx.fast.rms_norm(x, weight, eps)``; decode-sized float32 work goes to the kernel."""
+    import mlx.core as mx
+
+    if x.size <= MAX_NORM_ELEMENTS and x.ndim >= 1 and _f32_on_cpu(
+            x, *([] if weight is None else [weight])):
+        return _module.rms_norm(x, weight, float(eps))
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+def rope(x: Any, dims: int, offset: Any, scale: float, inv_freqs: Any) -> Any | None:
+    """Non-traditional RoPE of ``x`` (N0, N1, T, D) at an integer ``offset`` through the
+    kernel (angle i of position p: ``p * scale * inv_freqs[i]``), or None when it does not
+    apply (then use ``mx.fast.rope``)."""
+    if (
+        isinstance(offset, int)
+        and x.ndim == 4
+        and x.size <= MAX_NORM_ELEMENTS
+        and _f32_on_cpu(x, inv_freqs)
+    ):
+        return _module.rope(x, int(dims), offset, float(scale), inv_freqs)
+    return None
 
 
 def isa() -> str | None:

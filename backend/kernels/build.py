@@ -43,11 +43,13 @@ INFO_FILE = BUILD_DIR / "build_info.json"
 _SOURCES = (
     ("matvec.cpp", ()),
     ("kernels.cpp", ()),
+    ("decode_ops.cpp", ()),
+    ("decode_math.cpp", ()),
     ("kernels_generic.cpp", ()),
     ("kernels_avx2.cpp", ("-mavx2", "-mfma", "-mf16c")),
     ("kernels_avx512.cpp", ("-mavx512f", "-mavx2", "-mfma", "-mf16c")),
 )
-_HEADERS = ("kernels.h", "kernels_impl.h")
+_HEADERS = ("kernels.h", "kernels_impl.h", "decode_ops.h", "mlx_glue.h")
 
 
 class BuildError(RuntimeError):

@@ -260,6 +260,11 @@ void set_max_threads(int n) {
   g_max_threads.store(n <= 0 ? 0 : std::min(n, 64), std::memory_order_relaxed);
 }
 
+void parallel_for(int64_t chunks, int threads, void (*fn)(void*, int64_t), void* ctx) {
+  if (chunks <= 0) return;
+  Pool::get().run(chunks, std::max(1, std::min(threads, max_threads())), fn, ctx);
+}
+
 void matvec_dense(
     const float* x, int64_t ldx, int64_t M, int64_t K, const void* w,
     WType wtype, int64_t ldw, int64_t N, float* out) {

@@ -64,4 +64,35 @@ void matvec_q(
     const uint8_t* wq, int64_t ldq, const float* scales, const float* biases,
     int64_t ldsb, int group_size, int bits, int64_t N, float* out);
 
+// Runs fn(ctx, c) for c in [0, chunks) on the pool (at most `threads` threads,
+// the caller included); returns when all are done.
+void parallel_for(int64_t chunks, int threads, void (*fn)(void*, int64_t), void* ctx);
+
+// ---------------------------------------------------------------------------
+// Decode-time attention, RMS norm and RoPE (decode_math.cpp), float32.
+
+// Strided operand: element (i0, i1, i2, j) at p[i0*s0 + i1*s1 + i2*s2 + j].
+struct View3 {
+  const float* p;
+  int64_t s0, s1, s2;
+};
+
+// out (B, Hq, M, Dv), contiguous = softmax(scale * q k^T [causal]) v for
+// q (B, Hq, M, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv); query head h reads kv
+// head h / (Hq / Hkv). Causal is aligned to the last key: query i sees keys
+// 0 .. L - M + i (requires L >= M).
+void attention(View3 q, View3 k, View3 v, int64_t B, int64_t Hq, int64_t Hkv, int64_t M,
+               int64_t L, int64_t D, int64_t Dv, float scale, bool causal, float* out);
+
+// rows x H (row stride ldx) -> out (rows x H): x * rsqrt(mean(x^2) + eps) * w
+// (w may be null: no weight).
+void rms_norm(const float* x, int64_t ldx, int64_t rows, int64_t H, const float* w, float eps,
+              float* out);
+
+// Non-traditional RoPE of x (N0, N1, T, D) into contiguous out: row (., ., t)
+// is at position offset + t; angle i = (position * scale) * inv_freqs[i] for
+// i < dims / 2 rotates elements i and i + dims / 2; elements from dims on are copied.
+void rope(View3 x, int64_t N0, int64_t N1, int64_t T, int64_t D, int64_t dims, int64_t offset,
+          float scale, const float* inv_freqs, float* out);
+
 }  // namespace arbor

@@ -10,7 +10,10 @@
 // arithmetic lives in kernels.cpp / kernels_impl.h.
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+
+#include <optional>
 
 #include <cstring>
 #include <sstream>
@@ -26,59 +29,15 @@
 #include "mlx/utils.h"
 #include "mlx/version.h"
 
+#include "decode_ops.h"
 #include "kernels.h"
+#include "mlx_glue.h"
 
 namespace mx = mlx::core;
 namespace nb = nanobind;
 
 namespace arbor {
 namespace {
-
-std::string shape_str(const mx::array& a) {
-  std::ostringstream os;
-  os << "(";
-  for (int i = 0; i < a.ndim(); ++i) os << (i ? ", " : "") << a.shape(i);
-  if (a.ndim() == 1) os << ",";
-  os << ")";
-  return os.str();
-}
-
-std::string dtype_str(mx::Dtype t) {
-  if (t == mx::float32) return "float32";
-  if (t == mx::float16) return "float16";
-  if (t == mx::bfloat16) return "bfloat16";
-  if (t == mx::uint32) return "uint32";
-  if (t == mx::int32) return "int32";
-  return "dtype size " + std::to_string(t.size());
-}
-
-mx::Stream cpu_stream(mx::StreamOrDevice s) {
-  mx::Stream st = mx::to_stream(s);
-  if (st.device.type != mx::Device::DeviceType::cpu)
-    st = mx::default_stream(mx::Device(mx::Device::DeviceType::cpu));
-  return st;
-}
-
-// Copies an arbitrarily strided array into `dst`, row-major.
-void gather(const mx::array& a, void* dst) {
-  const char* base = a.data<char>();
-  const auto& shape = a.shape();
-  const auto& strides = a.strides();
-  const int nd = a.ndim();
-  const size_t isz = a.itemsize();
-  auto* out = static_cast<char*>(dst);
-  const size_t total = a.size();
-  std::vector<int64_t> idx(nd, 0);
-  for (size_t i = 0; i < total; ++i) {
-    int64_t off = 0;
-    for (int d = 0; d < nd; ++d) off += idx[d] * strides[d];
-    std::memcpy(out + i * isz, base + off * static_cast<int64_t>(isz), isz);
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++idx[d] < shape[d]) break;
-      idx[d] = 0;
-    }
-  }
-}
 
 // A 2-D operand as (pointer, row stride in elements), copying it into `scratch`
 // when its rows are not unit-stride.
@@ -104,10 +63,6 @@ const float* x_rows(const mx::array& x, std::vector<char>& scratch) {
   scratch.resize(x.nbytes());
   gather(x, scratch.data());
   return reinterpret_cast<const float*>(scratch.data());
-}
-
-void alloc_out(mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
 }
 
 // ---------------------------------------------------------------------------
@@ -309,6 +264,26 @@ NB_MODULE(_arbor_kernels, m) {
         nb::arg("group_size"), nb::arg("bits"),
         "Same as mx.quantized_matmul(x, wq, scales, biases, transpose=True, "
         "group_size, bits) for float32 x, scales and biases; bits 4 or 8.");
+  m.def("attention",
+        [](const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
+          return arbor::attention(q, k, v, scale, causal);
+        },
+        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("causal"),
+        "softmax(scale * q @ k.T [causal, aligned to the last key]) @ v for float32 q (B, Hq, M, D), "
+        "k (B, Hkv, L, D), v (B, Hkv, L, Dv) -> (B, Hq, M, Dv).");
+  m.def("rms_norm",
+        [](const mx::array& x, std::optional<mx::array> w, float eps) {
+          return arbor::rms_norm(x, w ? &*w : nullptr, eps);
+        },
+        nb::arg("x"), nb::arg("weight").none(), nb::arg("eps"),
+        "mx.fast.rms_norm for float32 x (..., H) and weight (H,) or None.");
+  m.def("rope",
+        [](const mx::array& x, int dims, int64_t offset, float scale, const mx::array& inv_freqs) {
+          return arbor::rope(x, dims, offset, scale, inv_freqs);
+        },
+        nb::arg("x"), nb::arg("dims"), nb::arg("offset"), nb::arg("scale"), nb::arg("inv_freqs"),
+        "Non-traditional RoPE of float32 x (N0, N1, T, D) at an integer offset: angle i of the row "
+        "at position p is (p * scale) * inv_freqs[i].");
   m.def("isa", [] { return std::string(arbor::best_isa().name); },
         "Instruction set the kernels use on this CPU.");
   m.def("max_threads", &arbor::max_threads, "Threads a large product may use.");

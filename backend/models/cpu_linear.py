@@ -114,9 +114,13 @@ def _swap(_path: str, module: nn.Module) -> nn.Module:
 
 
 def use_cpu_kernels(model: nn.Module) -> bool:
-    """Route the model's linear layers through the native kernels; False if unavailable."""
+    """Route the model's linear layers, and its RMS norms, RoPE and attention (those with a
+    ``native_ops`` switch) through the native kernels; False if unavailable."""
     if not kernels.available():
         return False
     model.update_modules(tree_map_with_path(_swap, model.leaf_modules(),
                                             is_leaf=nn.Module.is_module))
+    for _, module in model.named_modules():
+        if hasattr(module, "native_ops"):
+            module.native_ops = True
     return True

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from backend import kernels
 from backend.caches.attention import scaled_dot_product_attention
 from backend.caches.base import CAUSAL, AttentionMask, Cache
 from backend.models.rope import RoPE
@@ -18,6 +19,9 @@ from backend.models.rope import RoPE
 
 class RMSNorm(nn.Module):
     """RMSNorm; ``offset=1`` gives the Gemma form that scales by (1 + weight)."""
+
+    #: Decode-sized float32 work through the native CPU kernel (set by ``use_cpu_kernels``).
+    native_ops = False
 
     def __init__(self, dims: int, eps: float = 1e-6, offset: float = 0.0):
         super().__init__()
@@ -27,6 +31,8 @@ class RMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         weight = self.weight + self.offset if self.offset else self.weight
+        if self.native_ops:
+            return kernels.rms_norm(x, weight, self.eps)
         return mx.fast.rms_norm(x, weight, self.eps)
 
 
@@ -68,6 +74,9 @@ class AttentionShape:
 
 
 class Attention(nn.Module):
+    #: Decode-sized float32 attention through the native CPU kernel (set by ``use_cpu_kernels``).
+    native_ops = False
+
     def __init__(self, shape: AttentionShape, rope: RoPE, mask: AttentionMask = CAUSAL):
         super().__init__()
         s = shape
@@ -100,7 +109,8 @@ class Attention(nn.Module):
         offset = cache.offset
         q, k = self.rope(q, offset), self.rope(k, offset)
         history = cache.update(k, v)
-        out = scaled_dot_product_attention(q, history, self.mask, self.scale)  # (B, H, N, D)
+        out = scaled_dot_product_attention(q, history, self.mask, self.scale,
+                                           native=self.native_ops)  # (B, H, N, D)
         out = out.transpose(0, 2, 1, 3).reshape(b, n, -1)
         if self.output_gate:
             out = out * mx.sigmoid(gate.reshape(b, n, -1))

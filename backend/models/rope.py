@@ -92,6 +92,9 @@ def _yarn(dims: int, theta: float, p: dict) -> tuple[mx.array, float]:
 class RoPE(nn.Module):
     """Applies rotary embeddings to ``(B, heads, L, head_dim)`` starting at a position offset."""
 
+    #: Decode-sized float32 work through the native CPU kernel (set by ``use_cpu_kernels``).
+    native_ops = False
+
     def __init__(self, dims: int, settings: RopeSettings):
         super().__init__()
         self.dims = dims
@@ -109,6 +112,24 @@ class RoPE(nn.Module):
             self.base = None
 
     def __call__(self, x: mx.array, offset: int | mx.array = 0) -> mx.array:
-        y = mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=self.scale,
-                         offset=offset, freqs=self._periods)
+        y = None
+        if self.native_ops:
+            from backend import kernels
+
+            y = kernels.rope(x, self.dims, offset, self.scale, self._inverse_frequencies())
+        if y is None:
+            y = mx.fast.rope(x, self.dims, traditional=False, base=self.base, scale=self.scale,
+                             offset=offset, freqs=self._periods)
         return y * self.out_scale if self.out_scale != 1.0 else y
+
+    def _inverse_frequencies(self) -> mx.array:
+        """Angle per position of each rotated pair, computed as ``mx.fast.rope`` does."""
+        if getattr(self, "_inv_freqs", None) is None:
+            half = self.dims // 2
+            if self._periods is not None:
+                inv = 1.0 / self._periods.astype(mx.float32)
+            else:
+                inv = mx.exp(-mx.arange(half, dtype=mx.float32) * (math.log(self.base) / half))
+            mx.eval(inv)
+            object.__setattr__(self, "_inv_freqs", inv)  # a cache, not a parameter
+        return self._inv_freqs

@@ -1,0 +1,233 @@
+// MLX glue for the decode-time attention, RMS norm and RoPE primitives; the
+// arithmetic is in decode_math.cpp. Like matvec, each op only records a graph
+// node; eval_cpu hands the work to MLX's CPU command encoder.
+
+#include "decode_ops.h"
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/primitives.h"
+
+#include "kernels.h"
+#include "mlx_glue.h"
+
+namespace arbor {
+namespace {
+
+// A float32 operand of rank 3 or 4 with unit last stride, as a View3 over its
+// last three (rank 4) or last two (rank 3) dims; copied when needed.
+View3 view_of(const mx::array& a, std::vector<char>& scratch) {
+  const int nd = a.ndim();
+  const float* p = a.data<float>();
+  std::vector<int64_t> st(a.strides().begin(), a.strides().end());
+  if (st.back() != 1 && a.shape(-1) > 1) {
+    scratch.resize(a.nbytes());
+    gather(a, scratch.data());
+    p = reinterpret_cast<const float*>(scratch.data());
+    int64_t acc = 1;
+    for (int d = nd - 1; d >= 0; --d) {
+      st[d] = acc;
+      acc *= a.shape(d);
+    }
+  }
+  if (nd == 4) return View3{p, st[0], st[1], st[2]};
+  return View3{p, 0, st[0], st[1]};
+}
+
+void register_io(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& enc = mx::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+}
+
+class Attention : public mx::UnaryPrimitive {
+ public:
+  Attention(mx::Stream s, float scale, bool causal)
+      : mx::UnaryPrimitive(s), scale_(scale), causal_(causal) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    alloc_out(out);
+    register_io(stream(), inputs, out);
+    const float scale = scale_;
+    const bool causal = causal_;
+    mx::cpu::get_command_encoder(stream()).dispatch(
+        [q = mx::array::unsafe_weak_copy(inputs[0]), k = mx::array::unsafe_weak_copy(inputs[1]),
+         v = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out),
+         scale, causal]() mutable {
+          if (out.size() == 0) return;
+          std::vector<char> qs, ks, vs;
+          attention(view_of(q, qs), view_of(k, ks), view_of(v, vs), q.shape(0), q.shape(1),
+                    k.shape(1), q.shape(2), k.shape(2), q.shape(3), v.shape(3), scale, causal,
+                    out.data<float>());
+        });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[arbor.attention] has no GPU implementation.");
+  }
+  const char* name() const override { return "ArborAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Attention&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[0].shape(1), inputs[0].shape(2), inputs[2].shape(3)}};
+  }
+
+ private:
+  float scale_;
+  bool causal_;
+};
+
+class RmsNorm : public mx::UnaryPrimitive {
+ public:
+  RmsNorm(mx::Stream s, float eps) : mx::UnaryPrimitive(s), eps_(eps) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    alloc_out(out);
+    register_io(stream(), inputs, out);
+    const float eps = eps_;
+    const bool weighted = inputs.size() > 1;
+    mx::cpu::get_command_encoder(stream()).dispatch(
+        [x = mx::array::unsafe_weak_copy(inputs[0]),
+         w = mx::array::unsafe_weak_copy(inputs[weighted ? 1 : 0]),
+         out = mx::array::unsafe_weak_copy(out), eps, weighted]() mutable {
+          if (out.size() == 0) return;
+          std::vector<char> xs, ws;
+          const float* xp = x.data<float>();
+          if (!x.flags().row_contiguous) {
+            xs.resize(x.nbytes());
+            gather(x, xs.data());
+            xp = reinterpret_cast<const float*>(xs.data());
+          }
+          const float* wp = nullptr;
+          if (weighted) {
+            wp = w.data<float>();
+            if (!w.flags().row_contiguous) {
+              ws.resize(w.nbytes());
+              gather(w, ws.data());
+              wp = reinterpret_cast<const float*>(ws.data());
+            }
+          }
+          const int64_t H = x.shape(-1);
+          rms_norm(xp, H, static_cast<int64_t>(x.size()) / H, H, wp, eps, out.data<float>());
+        });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[arbor.rms_norm] has no GPU implementation.");
+  }
+  const char* name() const override { return "ArborRmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return eps_ == static_cast<const RmsNorm&>(other).eps_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float eps_;
+};
+
+class Rope : public mx::UnaryPrimitive {
+ public:
+  Rope(mx::Stream s, int dims, int64_t offset, float scale)
+      : mx::UnaryPrimitive(s), dims_(dims), offset_(offset), scale_(scale) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    alloc_out(out);
+    register_io(stream(), inputs, out);
+    const int dims = dims_;
+    const int64_t offset = offset_;
+    const float scale = scale_;
+    mx::cpu::get_command_encoder(stream()).dispatch(
+        [x = mx::array::unsafe_weak_copy(inputs[0]), f = mx::array::unsafe_weak_copy(inputs[1]),
+         out = mx::array::unsafe_weak_copy(out), dims, offset, scale]() mutable {
+          if (out.size() == 0) return;
+          std::vector<char> xs, fs;
+          const float* fp = f.data<float>();
+          if (!f.flags().row_contiguous) {
+            fs.resize(f.nbytes());
+            gather(f, fs.data());
+            fp = reinterpret_cast<const float*>(fs.data());
+          }
+          rope(view_of(x, xs), x.shape(0), x.shape(1), x.shape(2), x.shape(3), dims, offset,
+               scale, fp, out.data<float>());
+        });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[arbor.rope] has no GPU implementation.");
+  }
+  const char* name() const override { return "ArborRope"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Rope&>(other);
+    return dims_ == o.dims_ && offset_ == o.offset_ && scale_ == o.scale_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  int dims_;
+  int64_t offset_;
+  float scale_;
+};
+
+void require_f32(const char* op, const mx::array& a, const char* what) {
+  if (a.dtype() != mx::float32)
+    throw std::invalid_argument(std::string("[arbor.") + op + "] expected float32 " + what +
+                                ", got " + dtype_str(a.dtype()) + " " + shape_str(a) + ".");
+}
+
+}  // namespace
+
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                    bool causal, mx::StreamOrDevice s) {
+  for (auto [a, what] : {std::pair{&q, "q"}, std::pair{&k, "k"}, std::pair{&v, "v"}})
+    require_f32("attention", *a, what);
+  const bool ok = q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && k.shape(0) == q.shape(0) &&
+      v.shape(0) == q.shape(0) && k.shape(1) == v.shape(1) && k.shape(1) > 0 &&
+      q.shape(1) % k.shape(1) == 0 && k.shape(2) == v.shape(2) && k.shape(3) == q.shape(3) &&
+      (!causal || k.shape(2) >= q.shape(2));
+  if (!ok)
+    throw std::invalid_argument(
+        "[arbor.attention] expected q (B, Hq, M, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv) with "
+        "Hq a multiple of Hkv (and L >= M when causal); got q " + shape_str(q) + ", k " +
+        shape_str(k) + ", v " + shape_str(v) + ".");
+  mx::Shape shape{q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
+  return mx::array(shape, mx::float32, std::make_shared<Attention>(cpu_stream(s), scale, causal),
+                   {q, k, v});
+}
+
+mx::array rms_norm(const mx::array& x, const mx::array* weight, float eps, mx::StreamOrDevice s) {
+  require_f32("rms_norm", x, "x");
+  if (x.ndim() < 1 || x.shape(-1) == 0)
+    throw std::invalid_argument("[arbor.rms_norm] expected x (..., H), got " + shape_str(x) + ".");
+  std::vector<mx::array> inputs{x};
+  if (weight != nullptr) {
+    require_f32("rms_norm", *weight, "weight");
+    if (weight->ndim() != 1 || weight->shape(0) != x.shape(-1))
+      throw std::invalid_argument("[arbor.rms_norm] weight " + shape_str(*weight) +
+                                  " does not match x " + shape_str(x) + ".");
+    inputs.push_back(*weight);
+  }
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(cpu_stream(s), eps),
+                   std::move(inputs));
+}
+
+mx::array rope(const mx::array& x, int dims, int64_t offset, float scale,
+               const mx::array& inv_freqs, mx::StreamOrDevice s) {
+  require_f32("rope", x, "x");
+  require_f32("rope", inv_freqs, "inv_freqs");
+  if (x.ndim() != 4 || dims <= 0 || dims % 2 != 0 || dims > x.shape(3) || inv_freqs.ndim() != 1 ||
+      inv_freqs.shape(0) != dims / 2)
+    throw std::invalid_argument("[arbor.rope] expected x (N0, N1, T, D), an even dims <= D and "
+                                "inv_freqs (dims / 2,); got x " + shape_str(x) + ", dims " +
+                                std::to_string(dims) + ", inv_freqs " + shape_str(inv_freqs) +
+                                ".");
+  return mx::array(x.shape(), mx::float32,
+                   std::make_shared<Rope>(cpu_stream(s), dims, offset, scale), {x, inv_freqs});
+}
+
+}  // namespace arbor

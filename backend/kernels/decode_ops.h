@@ -1,0 +1,25 @@
+// Decode-time attention, RMS norm and RoPE as MLX CPU primitives (decode_ops.cpp).
+#pragma once
+
+#include "mlx/array.h"
+#include "mlx/stream.h"
+#include "mlx/utils.h"
+
+namespace arbor {
+namespace mx = mlx::core;
+
+// softmax(scale * q k^T [causal, aligned to the last key]) v for float32
+// q (B, Hq, M, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv) -> (B, Hq, M, Dv).
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                    bool causal, mx::StreamOrDevice s = {});
+
+// mx.fast.rms_norm for float32 x (..., H) and weight (H,) or none.
+mx::array rms_norm(const mx::array& x, const mx::array* weight, float eps,
+                   mx::StreamOrDevice s = {});
+
+// mx.fast.rope (non-traditional) for float32 x (N0, N1, T, D) at an integer
+// offset, with inverse frequencies inv_freqs (dims / 2,) float32.
+mx::array rope(const mx::array& x, int dims, int64_t offset, float scale,
+               const mx::array& inv_freqs, mx::StreamOrDevice s = {});
+
+}  // namespace arbor
