@@ -1,7 +1,7 @@
 """Building blocks shared by every architecture: attention, gated MLP, norms.
 
 Attention owns its projections, optional per-head q/k norms and RoPE, and talks to its cache only
-through ``cache.update(...) -> KVHistory`` and the shared SDPA helper (DESIGN.md seam 3).
+through ``cache.update(...) -> KVHistory`` and the shared SDPA helper (see docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
