@@ -1,7 +1,8 @@
 """Take Arbor's screenshots under Xvfb: ``python packaging/screenshots.py [--out docs/screenshots]``.
 
-Without a display the script re-runs itself under ``xvfb-run`` (``apt-get install xvfb
-libxcb-cursor0``), so the window is drawn by the real X11 (xcb) platform plugin, then grabbed from
+Without a display the script re-runs itself under ``xvfb-run`` (on Debian/Ubuntu: ``apt-get
+install xvfb libxcb-cursor0 libxcb-icccm4 libxcb-image0 libxcb-keysyms1 libxcb-randr0
+libxcb-render-util0 libxcb-shape0 libxcb-xinerama0 libxcb-xkb1 libxkbcommon-x11-0 libegl1``), so the window is drawn by the real X11 (xcb) platform plugin, then grabbed from
 the X screen. Everything happens in a throwaway data dir: a few conversations are created (one of
 them a scripted showcase reply with reasoning, code and a table, marked as such in its text), and
 one reply is generated live by the embedded default model, with its real statistics.
