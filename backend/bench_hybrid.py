@@ -87,7 +87,7 @@ def write_random_checkpoint(folder: Path, config: dict, seed: int = 0) -> Path:
     """Random float32 weights in the Hugging Face Qwen3-Next layout (per-expert tensors)."""
     rng = np.random.default_rng(seed)
     c = config
-    d, layers = c["hidden_size"], c["num_hidden_layers"]
+    d = c["hidden_size"]
     hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
     dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
     conv_dim = 2 * hk * dk + hv * dv

@@ -56,7 +56,6 @@ def bench_shapes(reps: int, rounds: int, budget_mb: int) -> None:
         us = {key: v / copies * 1e6 for key, v in t.items()}
         print(f"{n:>8} x {k:<5} {gb['mlx']:9.1f} {gb['kernel']:12.1f} {us['mlx']:9.1f} {us['kernel']:10.1f} "
               f"{t['mlx'] / t['kernel']:7.2f}x")
-        del ws
 
 
 def _chain_weights(layers: int):

@@ -26,6 +26,7 @@ from backend.caches.kv import KVCache
 from backend.caches.rotating import RotatingKVCache
 from backend.errors import ModelLoadError
 from backend.models.base import args_from_config
+from backend.models.decoder import Backbone, DecoderModel
 from backend.models.layers import Attention, AttentionShape, GatedMLP, RMSNorm
 from backend.models.rope import RoPE, RopeSettings, rope_settings
 
@@ -115,51 +116,17 @@ class DecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class Backbone(nn.Module):
+class Model(DecoderModel):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=1.0)
-        self.embed_scale = args.hidden_size ** 0.5
-
-    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
-        h = self.embed_tokens(tokens)  # (B, N, hidden)
-        h = h * mx.array(self.embed_scale, mx.float32).astype(h.dtype)
-        for layer, cache in zip(self.layers, caches):
-            h = layer(h, cache)
-        return self.norm(h)
-
-
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model = Backbone(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
-        return self.logits(self.hidden(tokens, caches))
-
-    def hidden(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
-        """Final normed hidden states (B, N, hidden); prefill chunks stop here (no logits)."""
-        return self.model(tokens, caches)
+        layers = [DecoderLayer(args, t) for t in args.layer_types]
+        super().__init__(args, Backbone(args, layers, norm_offset=1.0,
+                                        embed_scale=args.hidden_size ** 0.5))
 
     def logits(self, hidden: mx.array) -> mx.array:
-        if self.args.tie_word_embeddings:
-            out = self.model.embed_tokens.as_linear(hidden)
-        else:
-            out = self.lm_head(hidden)
+        out = super().logits(hidden)
         cap = self.args.final_logit_softcapping
         return out if cap is None else mx.tanh(out / cap) * cap
 
     def make_caches(self) -> list[Cache]:
         return [RotatingKVCache(self.args.sliding_window) if layer.is_sliding else KVCache()
                 for layer in self.model.layers]
-
-    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if self.args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights

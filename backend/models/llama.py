@@ -15,6 +15,7 @@ import mlx.nn as nn
 from backend.caches.base import CAUSAL, Cache, sliding_window
 from backend.caches.kv import KVCache
 from backend.models.base import args_from_config
+from backend.models.decoder import Backbone, DecoderModel
 from backend.models.layers import Attention, AttentionShape, GatedMLP, RMSNorm
 from backend.models.rope import RoPE, RopeSettings, rope_settings
 
@@ -82,45 +83,10 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Backbone(nn.Module):
+class Model(DecoderModel):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
-        h = self.embed_tokens(tokens)  # (B, N, hidden)
-        for layer, cache in zip(self.layers, caches):
-            h = layer(h, cache)
-        return self.norm(h)
-
-
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model = Backbone(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
-        return self.logits(self.hidden(tokens, caches))
-
-    def hidden(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
-        """Final normed hidden states (B, N, hidden); prefill chunks stop here (no logits)."""
-        return self.model(tokens, caches)
-
-    def logits(self, hidden: mx.array) -> mx.array:
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(hidden)
-        return self.lm_head(hidden)
+        super().__init__(args, Backbone(args, [DecoderLayer(args)
+                                               for _ in range(args.num_hidden_layers)]))
 
     def make_caches(self) -> list[Cache]:
         return [KVCache() for _ in self.model.layers]
-
-    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if self.args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights

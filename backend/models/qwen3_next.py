@@ -31,6 +31,7 @@ from backend.caches.recurrent import RecurrentCache
 from backend.caches.scan import causal_conv1d, gated_delta, parallel_groups, run_on_streams
 from backend.errors import ModelLoadError
 from backend.models.base import args_from_config
+from backend.models.decoder import Backbone, DecoderModel
 from backend.models.layers import Attention, AttentionShape, GatedMLP, RMSNorm
 from backend.models.moe import SparseMoE, stack_experts
 from backend.models.rope import RoPE, RopeSettings, rope_settings
@@ -250,39 +251,11 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Backbone(nn.Module):
+class Model(DecoderModel):
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=1.0)
-
-    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
-        h = self.embed_tokens(tokens)  # (B, N, hidden)
-        for layer, cache in zip(self.layers, caches):
-            h = layer(h, cache)
-        return self.norm(h)
-
-
-class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.args = args
-        self.model = Backbone(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
-        return self.logits(self.hidden(tokens, caches))
-
-    def hidden(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
-        """Final normed hidden states (B, N, hidden); prefill chunks stop here (no logits)."""
-        return self.model(tokens, caches)
-
-    def logits(self, hidden: mx.array) -> mx.array:
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(hidden)
-        return self.lm_head(hidden)
+        super().__init__(args, Backbone(args, [DecoderLayer(args, i)
+                                               for i in range(args.num_hidden_layers)],
+                                        norm_offset=1.0))
 
     def make_caches(self) -> list[Cache]:
         return [RecurrentCache() if layer.is_linear else KVCache() for layer in self.model.layers]
@@ -306,8 +279,7 @@ class Model(nn.Module):
         return mx.array(qkvz), mx.array(ba)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        weights = {k: v for k, v in weights.items()
-                   if not k.startswith("mtp.") and "rotary_emb.inv_freq" not in k}
+        weights = {k: v for k, v in super().sanitize(weights).items() if not k.startswith("mtp.")}
         qkvz_rows, ba_rows = self._grouping_orders()
         for key in list(weights):
             # Output rows (and their quantization scales/biases, which are per row) reorder.
@@ -315,8 +287,6 @@ class Model(nn.Module):
                 weights[key] = weights[key][qkvz_rows]
             elif ".linear_attn.in_proj_ba." in key:
                 weights[key] = weights[key][ba_rows]
-        if self.args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
         for i in range(self.args.num_hidden_layers):
             if self.args.is_sparse(i):
                 weights = stack_experts(weights, f"model.layers.{i}.mlp", self.args.num_experts)

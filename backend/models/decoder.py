@@ -1,0 +1,73 @@
+"""The decoder skeleton every architecture shares: embedding, a stack of layers (one cache
+each), final norm, and the vocabulary projection kept apart from the hidden states.
+
+Families supply their layers and their cache kinds; parameter names follow the Hugging Face
+layout (``model.embed_tokens``, ``model.layers.N``, ``model.norm``, ``lm_head``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from backend.caches.base import Cache
+from backend.models.layers import RMSNorm
+
+
+class Backbone(nn.Module):
+    """tokens -> embedding (optionally scaled) -> layers -> final RMSNorm."""
+
+    def __init__(self, args: Any, layers: list[nn.Module], norm_offset: float = 0.0,
+                 embed_scale: float | None = None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = layers
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=norm_offset)
+        self.embed_scale = embed_scale
+
+    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+        h = self.embed_tokens(tokens)  # (B, N, hidden)
+        if self.embed_scale is not None:
+            h = h * mx.array(self.embed_scale, mx.float32).astype(h.dtype)
+        for layer, cache in zip(self.layers, caches):
+            h = layer(h, cache)
+        return self.norm(h)
+
+
+class DecoderModel(nn.Module):
+    """A backbone plus the vocabulary projection (tied to the embedding or ``lm_head``).
+
+    Subclasses implement ``make_caches`` and may extend ``sanitize`` / ``logits``.
+    """
+
+    def __init__(self, args: Any, backbone: Backbone):
+        super().__init__()
+        self.args = args
+        self.model = backbone
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+        return self.logits(self.hidden(tokens, caches))
+
+    def hidden(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+        """Final normed hidden states (B, N, hidden); prefill chunks stop here (no logits)."""
+        return self.model(tokens, caches)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    def make_caches(self) -> list[Cache]:
+        raise NotImplementedError
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Drop what the checkpoint carries but the module tree does not: precomputed RoPE
+        frequencies and, with tied embeddings, a duplicate ``lm_head``."""
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return weights
