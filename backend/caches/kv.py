@@ -39,12 +39,17 @@ class ContiguousHistory:
 
 
 class KVSnapshot:
-    """Keys/values of positions ``[start, end)``: lazy (a range of ``owner``) or owned arrays."""
+    """Keys/values of positions ``[lo, end)`` as they stood at ``end``, covering the tokens
+    ``[start, end)`` (``lo == start`` for a full-attention cache; a sliding window's snapshot
+    also carries the window before ``start``). Lazy (a view ``owner._view(lo, end)``) until
+    ``_copy_out``, then owned arrays."""
 
     def __init__(self, owner: "KVCache | None", start: int, end: int,
-                 keys: mx.array | None = None, values: mx.array | None = None):
+                 keys: mx.array | None = None, values: mx.array | None = None,
+                 lo: int | None = None):
         self.start = start
         self.end = end
+        self.lo = start if lo is None else lo
         self._owner = owner
         self._keys = keys
         self._values = values
@@ -60,15 +65,16 @@ class KVSnapshot:
         return self._keys.nbytes + self._values.nbytes
 
     def arrays(self) -> tuple[mx.array, mx.array]:
-        """Keys and values ``(B, H, end - start, D)``; for a lazy snapshot these are views."""
+        """Keys and values ``(B, H, end - lo, D)`` in position order; views while lazy."""
         if self._owner is not None:
-            return self._owner._range(self.start, self.end)
+            return self._owner._view(self.lo, self.end)
         if self._keys is None:
             raise ValueError(f"snapshot [{self.start}, {self.end}) was closed")
         return self._keys, self._values
 
     def _copy_out(self) -> None:
-        keys, values = self._owner._range(self.start, self.end)
+        keys, values = self._owner._view(self.lo, self.end)
+        # contiguous allocates exactly this range (a slice alone would keep the buffer alive).
         self._keys, self._values = mx.contiguous(keys), mx.contiguous(values)
         mx.eval(self._keys, self._values)
         self._owner = None
@@ -106,7 +112,7 @@ class KVCache:
     def arrays(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]
 
-    def _range(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+    def _view(self, start: int, end: int) -> tuple[mx.array, mx.array]:
         return self.keys[..., start:end, :], self.values[..., start:end, :]
 
     def _forget(self, snapshot: KVSnapshot) -> None:
@@ -184,7 +190,7 @@ class KVCache:
                 raise ValueError(f"cannot rewind forward: target {target} > offset {self._offset}")
             self._offset = target
             return True
-        if not isinstance(snapshot, KVSnapshot):
+        if type(snapshot) is not KVSnapshot:  # not a sliding window's (a subclass)
             raise TypeError(f"KVCache cannot restore a {type(snapshot).__name__}")
         if not snapshot.start < target <= snapshot.end and target != snapshot.start:
             raise ValueError(

@@ -36,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 from backend.caches.base import SnapshotSchedule
+from backend.caches.kv import KVSnapshot
 
 STEP = 256
 
@@ -57,48 +58,12 @@ class RotatingHistory:
         return None if self._positions is None else mx.array(self._positions, dtype=mx.int32)
 
 
-class RotatingSnapshot:
+class RotatingSnapshot(KVSnapshot):
     """The window ``[lo, end)`` as it stood at ``end`` (covering tokens ``[start, end)``)."""
 
     def __init__(self, owner: "RotatingKVCache | None", start: int, end: int, lo: int,
                  keys: mx.array | None = None, values: mx.array | None = None):
-        self.start = start
-        self.end = end
-        self.lo = lo
-        self._owner = owner
-        self._keys = keys
-        self._values = values
-
-    @property
-    def is_lazy(self) -> bool:
-        return self._owner is not None
-
-    @property
-    def nbytes(self) -> int:
-        if self._keys is None:
-            return 0
-        return self._keys.nbytes + self._values.nbytes
-
-    def arrays(self) -> tuple[mx.array, mx.array]:
-        """Keys and values of positions ``[lo, end)`` in logical order ``(B, H, end - lo, D)``."""
-        if self._owner is not None:
-            return self._owner._gather(self.lo, self.end)
-        if self._keys is None:
-            raise ValueError(f"snapshot [{self.start}, {self.end}) was closed")
-        return self._keys, self._values
-
-    def _copy_out(self) -> None:
-        keys, values = self._owner._gather(self.lo, self.end)
-        # contiguous allocates exactly this range (a slice alone would keep the ring alive).
-        self._keys, self._values = mx.contiguous(keys), mx.contiguous(values)
-        mx.eval(self._keys, self._values)
-        self._owner = None
-
-    def close(self) -> None:
-        if self._owner is not None:
-            self._owner._forget(self)
-        self._owner = None
-        self._keys = self._values = None
+        super().__init__(owner, start, end, keys, values, lo=lo)
 
 
 class RotatingKVCache:
@@ -144,7 +109,7 @@ class RotatingKVCache:
         """First position the window before ``position`` needs."""
         return max(0, position - self.window + 1)
 
-    def _gather(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+    def _view(self, start: int, end: int) -> tuple[mx.array, mx.array]:
         """Positions ``[start, end)`` (stored) in logical order, as lazy slices of the buffer."""
         if end <= start:
             empty = self.keys[..., :0, :], self.values[..., :0, :]
@@ -182,7 +147,7 @@ class RotatingKVCache:
         start = self._offset - keep
         parts_k, parts_v = [], []
         if keep:
-            old_k, old_v = self._gather(start, self._offset)
+            old_k, old_v = self._view(start, self._offset)
             parts_k.append(old_k)
             parts_v.append(old_v)
         if keys is not None:
