@@ -27,7 +27,7 @@ class Tiny(nn.Module):
 
 
 @pytest.mark.parametrize("quantize", [None, (32, 4), (64, 8)])
-@pytest.mark.parametrize("rows", [1, 3, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 40])
+@pytest.mark.parametrize("rows", [1, 3, MAX_KERNEL_ROWS, MAX_KERNEL_ROWS + 1, 32, 33, 40])
 def test_kernel_layers_match_mlx(quantize, rows):
     mx.random.seed(0)
     plain = Tiny()

@@ -220,7 +220,7 @@ def test_linear_helpers_pick_kernel_or_mlx(K):
     xh = mx.random.normal((1, 64)).astype(mx.float16)  # not float32: MLX (float16 result)
     assert K.linear(xh, w.astype(mx.float16)).dtype == mx.float16
     wq, s, b = mx.quantize(w, group_size=32, bits=8)
-    for shape in [(1, 64), (16, 64)]:
+    for shape in [(1, 64), (16, 64), (32, 64), (33, 64), (2, 50, 64)]:  # kernel, then dequantize
         x = mx.random.normal(shape)
         want = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=32, bits=8)
         got = K.quantized_linear(x, wq, s, b, group_size=32, bits=8)
@@ -229,3 +229,27 @@ def test_linear_helpers_pick_kernel_or_mlx(K):
     x = mx.random.normal((1, 64))
     want = mx.quantized_matmul(x, wq2, s2, b2, transpose=True, group_size=32, bits=2)
     assert mx.allclose(K.quantized_linear(x, wq2, s2, b2, group_size=32, bits=2), want).item()
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 128)])
+def test_dequantize_equals_mlx_bitwise(K, bits, group_size):
+    w = mx.random.normal((37, 256))
+    wq, s, b = mx.quantize(w, group_size=group_size, bits=bits)
+    assert mx.array_equal(K.dequantize(wq, s, b, group_size, bits),
+                          mx.dequantize(wq, s, b, group_size, bits))
+    # Strided rows (a slice of a larger matrix) and a threaded size.
+    assert mx.array_equal(K.dequantize(wq[::2], s[::2], b[::2], group_size, bits),
+                          mx.dequantize(wq[::2], s[::2], b[::2], group_size, bits))
+    big = mx.random.normal((3000, 512))
+    bq, bs, bb = mx.quantize(big, group_size=group_size, bits=bits)
+    assert mx.array_equal(K.dequantize(bq, bs, bb, group_size, bits),
+                          mx.dequantize(bq, bs, bb, group_size, bits))
+
+
+def test_dequantize_argument_errors_and_fallback(K):
+    wq, s, b = mx.quantize(mx.random.normal((8, 64)), group_size=32, bits=4)
+    with pytest.raises(ValueError, match="group_size"):
+        K._mod().dequantize(wq, s[:, :1], b[:, :1], 32, 4)
+    # bf16 scales (not the kernel's layout): MLX's own dequantize, as float32.
+    got = K.dequantize(wq, s.astype(mx.bfloat16), b.astype(mx.bfloat16), 32, 4)
+    assert got.dtype == mx.float32

@@ -19,6 +19,13 @@
 #include <thread>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ARBOR_DEQUANT_CLONES \
+  __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+#else
+#define ARBOR_DEQUANT_CLONES
+#endif
+
 namespace arbor {
 
 // ---------------------------------------------------------------------------
@@ -316,6 +323,70 @@ void matvec_q(
   QJob job{isa, x, ldx, M, K, wq, ldq, scales, biases, ldsb, group_size, bits, N, out, rows};
   int64_t chunks = (N + rows - 1) / rows;
   Pool::get().run(chunks, threads_for(chunks), &q_chunk, &job);
+}
+
+namespace {
+
+// One row of MLX's affine layout: BITS-bit values packed low bits first into
+// uint32 words; value i of group g is scales[g] * q + biases[g]. The word's
+// values unpack with constant shifts, which the compiler vectorizes.
+template <int BITS>
+ARBOR_DEQUANT_CLONES void dequantize_row(const uint32_t* __restrict wq,
+                                         const float* __restrict scales,
+                                         const float* __restrict biases, int64_t K, int gs,
+                                         float* __restrict out) {
+  constexpr int PER = 32 / BITS;
+  constexpr uint32_t MASK = (1u << BITS) - 1;
+  for (int64_t g = 0; g < K / gs; ++g) {
+    const float sc = scales[g], bi = biases[g];
+    const uint32_t* w = wq + g * gs / PER;
+    float* o = out + g * gs;
+    for (int64_t j = 0; j < gs / PER; ++j) {
+      const uint32_t v = w[j];
+      for (int t = 0; t < PER; ++t)
+        o[j * PER + t] = sc * static_cast<float>((v >> (t * BITS)) & MASK) + bi;
+    }
+  }
+}
+
+struct DequantJob {
+  const uint32_t* wq;
+  int64_t ldq;  // words per row
+  const float* scales;
+  const float* biases;
+  int64_t ldsb;
+  int64_t K;
+  int gs, bits;
+  int64_t N;
+  float* out;
+  int64_t rows;  // per chunk
+};
+
+void dequant_chunk(void* ctx, int64_t c) {
+  auto* j = static_cast<DequantJob*>(ctx);
+  const int64_t n1 = std::min(j->N, (c + 1) * j->rows);
+  for (int64_t n = c * j->rows; n < n1; ++n) {
+    const uint32_t* w = j->wq + n * j->ldq;
+    const float* sc = j->scales + n * j->ldsb;
+    const float* bi = j->biases + n * j->ldsb;
+    float* o = j->out + n * j->K;
+    if (j->bits == 4)
+      dequantize_row<4>(w, sc, bi, j->K, j->gs, o);
+    else
+      dequantize_row<8>(w, sc, bi, j->K, j->gs, o);
+  }
+}
+
+}  // namespace
+
+void dequantize(const uint32_t* wq, int64_t ldq, const float* scales, const float* biases,
+                int64_t ldsb, int group_size, int bits, int64_t N, int64_t K, float* out) {
+  if (N <= 0 || K <= 0) return;
+  // Writing the float32 rows is the cost: chunk by output bytes.
+  const int64_t rows = chunk_rows(K * static_cast<int64_t>(sizeof(float)), N);
+  DequantJob job{wq, ldq, scales, biases, ldsb, K, group_size, bits, N, out, rows};
+  const int64_t chunks = (N + rows - 1) / rows;
+  Pool::get().run(chunks, threads_for(chunks), &dequant_chunk, &job);
 }
 
 }  // namespace arbor

@@ -64,6 +64,11 @@ void matvec_q(
     const uint8_t* wq, int64_t ldq, const float* scales, const float* biases,
     int64_t ldsb, int group_size, int bits, int64_t N, float* out);
 
+// W (N x K) float32 from MLX's affine layout (wq row stride ldq in uint32 words,
+// scales / biases row stride ldsb), bits 4 or 8: the prefill path's weights.
+void dequantize(const uint32_t* wq, int64_t ldq, const float* scales, const float* biases,
+                int64_t ldsb, int group_size, int bits, int64_t N, int64_t K, float* out);
+
 // Runs fn(ctx, c) for c in [0, chunks) on the pool (at most `threads` threads,
 // the caller included); returns when all are done.
 void parallel_for(int64_t chunks, int threads, void (*fn)(void*, int64_t), void* ctx);

@@ -175,6 +175,60 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
   int bits_;
 };
 
+class Dequantize : public mx::UnaryPrimitive {
+ public:
+  Dequantize(mx::Stream s, int group_size, int bits)
+      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    alloc_out(out);
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) enc.set_input_array(a);
+    enc.set_output_array(out);
+    const int gs = group_size_, bits = bits_;
+    enc.dispatch([wq = mx::array::unsafe_weak_copy(inputs[0]),
+                  sc = mx::array::unsafe_weak_copy(inputs[1]),
+                  bi = mx::array::unsafe_weak_copy(inputs[2]),
+                  out = mx::array::unsafe_weak_copy(out), gs, bits]() mutable {
+      if (out.size() == 0) return;
+      std::vector<char> qs, ss, bs;
+      int64_t ldq = 0, lds = 0, ldb = 0;
+      const void* qp = rows_of(wq, ldq, qs);
+      auto sp = static_cast<const float*>(rows_of(sc, lds, ss));
+      auto bp = static_cast<const float*>(rows_of(bi, ldb, bs));
+      if (lds != ldb) {  // one stride for both
+        ss.resize(sc.nbytes());
+        gather(sc, ss.data());
+        bs.resize(bi.nbytes());
+        gather(bi, bs.data());
+        sp = reinterpret_cast<const float*>(ss.data());
+        bp = reinterpret_cast<const float*>(bs.data());
+        lds = sc.shape(-1);
+      }
+      dequantize(static_cast<const uint32_t*>(qp), ldq, sp, bp, lds, gs, bits, out.shape(0),
+                 out.shape(1), out.data<float>());
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[arbor.dequantize] has no GPU implementation.");
+  }
+
+  const char* name() const override { return "ArborDequantize"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Dequantize&>(other);
+    return group_size_ == o.group_size_ && bits_ == o.bits_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {{inputs[0].shape(0), inputs[0].shape(1) * 32 / bits_}};
+  }
+
+ private:
+  int group_size_;
+  int bits_;
+};
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -241,6 +295,29 @@ mx::array matvec_q(
       {x, wq, scales, biases});
 }
 
+mx::array dequantize(const mx::array& wq, const mx::array& scales, const mx::array& biases,
+                     int group_size, int bits, mx::StreamOrDevice s = {}) {
+  const bool ok = (bits == 4 || bits == 8) &&
+      (group_size == 32 || group_size == 64 || group_size == 128) && wq.ndim() == 2 &&
+      scales.ndim() == 2 && biases.shape() == scales.shape() && wq.dtype() == mx::uint32 &&
+      scales.dtype() == mx::float32 && biases.dtype() == mx::float32 &&
+      scales.shape(0) == wq.shape(0) &&
+      static_cast<int64_t>(scales.shape(1)) * group_size ==
+          static_cast<int64_t>(wq.shape(1)) * 32 / bits;
+  if (!ok) {
+    throw std::invalid_argument(
+        "[arbor.dequantize] expected uint32 wq (N, K*bits/32) and float32 scales / biases "
+        "(N, K/group_size), bits 4 or 8, group_size 32/64/128; got wq " + shape_str(wq) + " " +
+        dtype_str(wq.dtype()) + ", scales " + shape_str(scales) + " " +
+        dtype_str(scales.dtype()) + ", biases " + shape_str(biases) + " for bits=" +
+        std::to_string(bits) + ", group_size=" + std::to_string(group_size) + ".");
+  }
+  mx::Shape shape{wq.shape(0), static_cast<int>(static_cast<int64_t>(wq.shape(1)) * 32 / bits)};
+  return mx::array(shape, mx::float32,
+                   std::make_shared<Dequantize>(cpu_stream(s), group_size, bits),
+                   {wq, scales, biases});
+}
+
 }  // namespace arbor
 
 #define ARBOR_STR2(x) #x
@@ -264,6 +341,13 @@ NB_MODULE(_arbor_kernels, m) {
         nb::arg("group_size"), nb::arg("bits"),
         "Same as mx.quantized_matmul(x, wq, scales, biases, transpose=True, "
         "group_size, bits) for float32 x, scales and biases; bits 4 or 8.");
+  m.def("dequantize",
+        [](const mx::array& wq, const mx::array& scales, const mx::array& biases, int group_size,
+           int bits) { return arbor::dequantize(wq, scales, biases, group_size, bits); },
+        nb::arg("wq"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
+        nb::arg("bits"),
+        "mx.dequantize for MLX's affine layout (float32 scales and biases, bits 4 or 8) -> "
+        "float32, threaded.");
   m.def("attention",
         [](const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
           return arbor::attention(q, k, v, scale, causal);

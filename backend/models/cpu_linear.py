@@ -30,12 +30,10 @@ def _rows(x: mx.array) -> int:
 
 
 def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
-    """x @ W.T for an affine-quantized W: kernel for decode, dequantize + BLAS for prefill."""
-    if _rows(x) <= MAX_KERNEL_ROWS:
-        return kernels.quantized_linear(x, layer.weight, layer.scales, layer.biases,
-                                        layer.group_size, layer.bits)
-    w = mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
-    return x @ w.T
+    """x @ W.T for an affine-quantized W: kernel for decode and short prefills, dequantize +
+    BLAS for long ones (``kernels.quantized_linear`` picks)."""
+    return kernels.quantized_linear(x, layer.weight, layer.scales, layer.biases,
+                                    layer.group_size, layer.bits)
 
 
 class KernelLinear(nn.Module):
