@@ -86,19 +86,18 @@ class KVSnapshot:
         self._keys = self._values = None
 
 
-class KVCache:
-    """Full-attention cache; see the module docstring and ``caches.base`` for the contract."""
-
-    can_rewind = True
+class LazyKVStorage:
+    """What the attention caches share: key/value buffers, the write offset, the lazy snapshots
+    still viewing the buffers, and the snapshot schedule. A subclass provides ``_view(lo, end)``
+    (positions in order, as views) and ``_new_snapshot(start, end)``."""
 
     def __init__(self) -> None:
-        self.keys: mx.array | None = None  # (B, H, capacity, D)
+        self.keys: mx.array | None = None  # (B, H, slots, D)
         self.values: mx.array | None = None
         self._offset = 0
         self._lazy: list[KVSnapshot] = []
         self._schedule = SnapshotSchedule()
 
-    # -- state ---------------------------------------------------------------------------------
     @property
     def offset(self) -> int:
         return self._offset
@@ -112,11 +111,37 @@ class KVCache:
     def arrays(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]
 
-    def _view(self, start: int, end: int) -> tuple[mx.array, mx.array]:
-        return self.keys[..., start:end, :], self.values[..., start:end, :]
-
     def _forget(self, snapshot: KVSnapshot) -> None:
         self._lazy = [s for s in self._lazy if s is not snapshot]
+
+    def _new_snapshot(self, start: int, end: int) -> KVSnapshot:
+        raise NotImplementedError
+
+    def _lazy_snapshot(self, start: int, end: int) -> KVSnapshot:
+        snap = self._new_snapshot(start, end)
+        self._lazy.append(snap)
+        return snap
+
+    def _capture_due(self, old: int, new: int) -> None:
+        for offset in self._schedule.due(old, new):
+            snap = self._lazy_snapshot(self._schedule.segment_start(), offset)
+            self._schedule.mark_taken(offset, snap)
+
+    def prepare_snapshots(self, offsets: Sequence[int]) -> None:
+        self._schedule.prepare(offsets, self._offset)
+        self._capture_due(self._offset, self._offset)  # an offset equal to the current one
+
+    def take_snapshots(self) -> list[KVSnapshot]:
+        return self._schedule.take()
+
+
+class KVCache(LazyKVStorage):
+    """Full-attention cache; see the module docstring and ``caches.base`` for the contract."""
+
+    can_rewind = True
+
+    def _view(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        return self.keys[..., start:end, :], self.values[..., start:end, :]
 
     def _protect_from(self, position: int) -> None:
         """Copy out every lazy snapshot that a write starting at ``position`` would overwrite."""
@@ -158,22 +183,8 @@ class KVCache:
                                  self.values[..., : self._offset, :], start, n)
 
     # -- snapshots -----------------------------------------------------------------------------
-    def _lazy_snapshot(self, start: int, end: int) -> KVSnapshot:
-        snap = KVSnapshot(self, start, end)
-        self._lazy.append(snap)
-        return snap
-
-    def _capture_due(self, old: int, new: int) -> None:
-        for offset in self._schedule.due(old, new):
-            snap = self._lazy_snapshot(self._schedule.segment_start(), offset)
-            self._schedule.mark_taken(offset, snap)
-
-    def prepare_snapshots(self, offsets: Sequence[int]) -> None:
-        self._schedule.prepare(offsets, self._offset)
-        self._capture_due(self._offset, self._offset)  # an offset equal to the current one
-
-    def take_snapshots(self) -> list[KVSnapshot]:
-        return self._schedule.take()
+    def _new_snapshot(self, start: int, end: int) -> KVSnapshot:
+        return KVSnapshot(self, start, end)
 
     def snapshot(self, start: int, end: int | None = None) -> KVSnapshot:
         """A lazy snapshot of ``[start, end)`` of the live state (``end`` defaults to offset)."""

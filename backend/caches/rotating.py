@@ -30,13 +30,11 @@ when the cache is freed.
 
 from __future__ import annotations
 
-from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from backend.caches.base import SnapshotSchedule
-from backend.caches.kv import KVSnapshot
+from backend.caches.kv import KVSnapshot, LazyKVStorage
 
 STEP = 256
 
@@ -66,7 +64,7 @@ class RotatingSnapshot(KVSnapshot):
         super().__init__(owner, start, end, keys, values, lo=lo)
 
 
-class RotatingKVCache:
+class RotatingKVCache(LazyKVStorage):
     """Sliding-window cache; see the module docstring and ``caches.base`` for the contract."""
 
     can_rewind = True  # within the stored window; restore says False beyond it
@@ -74,32 +72,15 @@ class RotatingKVCache:
     def __init__(self, window: int) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
+        super().__init__()
         self.window = window
-        self.keys: mx.array | None = None  # (B, H, S, D)
-        self.values: mx.array | None = None
-        self._offset = 0
         self._first = 0  # position stored in slot 0 of the current layout
         self._lo = 0  # lowest position still stored
-        self._lazy: list[RotatingSnapshot] = []
-        self._schedule = SnapshotSchedule()
 
     # -- state ---------------------------------------------------------------------------------
     @property
-    def offset(self) -> int:
-        return self._offset
-
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.nbytes + self.values.nbytes
-
-    @property
     def _slots(self) -> int:
         return 0 if self.keys is None else self.keys.shape[2]
-
-    def arrays(self) -> list[mx.array]:
-        return [] if self.keys is None else [self.keys, self.values]
 
     def stored_range(self) -> tuple[int, int]:
         """Positions ``[lo, offset)`` the live buffer holds."""
@@ -125,9 +106,6 @@ class RotatingKVCache:
         values = mx.concatenate([self.values[..., first_slot:, :],
                                  self.values[..., :n - split, :]], 2)
         return keys, values
-
-    def _forget(self, snapshot: RotatingSnapshot) -> None:
-        self._lazy = [s for s in self._lazy if s is not snapshot]
 
     def _protect(self, overwrite_from: int, new_lo: int) -> None:
         """Copy out lazy snapshots that need a position >= ``overwrite_from`` (about to be
@@ -204,22 +182,8 @@ class RotatingKVCache:
         return RotatingHistory(keys, values, start, n, positions)
 
     # -- snapshots -----------------------------------------------------------------------------
-    def _lazy_snapshot(self, start: int, end: int) -> RotatingSnapshot:
-        snap = RotatingSnapshot(self, start, end, self._window_start(end))
-        self._lazy.append(snap)
-        return snap
-
-    def _capture_due(self, old: int, new: int) -> None:
-        for offset in self._schedule.due(old, new):
-            snap = self._lazy_snapshot(self._schedule.segment_start(), offset)
-            self._schedule.mark_taken(offset, snap)
-
-    def prepare_snapshots(self, offsets: Sequence[int]) -> None:
-        self._schedule.prepare(offsets, self._offset)
-        self._capture_due(self._offset, self._offset)
-
-    def take_snapshots(self) -> list[RotatingSnapshot]:
-        return self._schedule.take()
+    def _new_snapshot(self, start: int, end: int) -> RotatingSnapshot:
+        return RotatingSnapshot(self, start, end, self._window_start(end))
 
     def snapshot(self, start: int = 0) -> RotatingSnapshot:
         """A lazy snapshot of the live window, covering ``[start, offset)``."""

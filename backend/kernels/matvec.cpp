@@ -57,6 +57,26 @@ const void* rows_of(const mx::array& a, int64_t& ld, std::vector<char>& scratch)
   return scratch.data();
 }
 
+// Quantization scales and biases as rows with one shared stride (the kernels
+// walk both with it), copying them when their strides differ.
+void scale_bias_rows(const mx::array& sc, const mx::array& bi, const float*& sp,
+                     const float*& bp, int64_t& ld, std::vector<char>& ss,
+                     std::vector<char>& bs) {
+  int64_t lds = 0, ldb = 0;
+  sp = static_cast<const float*>(rows_of(sc, lds, ss));
+  bp = static_cast<const float*>(rows_of(bi, ldb, bs));
+  ld = lds;
+  if (lds != ldb) {
+    ss.resize(sc.nbytes());
+    gather(sc, ss.data());
+    bs.resize(bi.nbytes());
+    gather(bi, bs.data());
+    sp = reinterpret_cast<const float*>(ss.data());
+    bp = reinterpret_cast<const float*>(bs.data());
+    ld = sc.shape(-1);
+  }
+}
+
 // The M x K rows of x (any leading dims), contiguous.
 const float* x_rows(const mx::array& x, std::vector<char>& scratch) {
   if (x.flags().row_contiguous) return x.data<float>();
@@ -136,19 +156,10 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
       if (out.size() == 0) return;
       std::vector<char> xs, qs, ss, bs;
       const float* xp = K > 0 ? x_rows(x, xs) : nullptr;
-      int64_t ldq = 0, lds = 0, ldb = 0;
+      int64_t ldq = 0, lds = 0;
       const void* qp = K > 0 ? rows_of(wq, ldq, qs) : nullptr;
-      auto sp = static_cast<const float*>(K > 0 ? rows_of(sc, lds, ss) : nullptr);
-      auto bp = static_cast<const float*>(K > 0 ? rows_of(bi, ldb, bs) : nullptr);
-      if (K > 0 && lds != ldb) {  // the kernel walks both with one stride
-        ss.resize(sc.nbytes());
-        gather(sc, ss.data());
-        bs.resize(bi.nbytes());
-        gather(bi, bs.data());
-        sp = reinterpret_cast<const float*>(ss.data());
-        bp = reinterpret_cast<const float*>(bs.data());
-        lds = ldb = sc.shape(-1);
-      }
+      const float *sp = nullptr, *bp = nullptr;
+      if (K > 0) scale_bias_rows(sc, bi, sp, bp, lds, ss, bs);
       matvec_q(xp, K, M, K, reinterpret_cast<const uint8_t*>(qp), ldq * 4, sp, bp,
                lds, gs, bits, N, out.data<float>());
     });
@@ -192,19 +203,10 @@ class Dequantize : public mx::UnaryPrimitive {
                   out = mx::array::unsafe_weak_copy(out), gs, bits]() mutable {
       if (out.size() == 0) return;
       std::vector<char> qs, ss, bs;
-      int64_t ldq = 0, lds = 0, ldb = 0;
+      int64_t ldq = 0, lds = 0;
       const void* qp = rows_of(wq, ldq, qs);
-      auto sp = static_cast<const float*>(rows_of(sc, lds, ss));
-      auto bp = static_cast<const float*>(rows_of(bi, ldb, bs));
-      if (lds != ldb) {  // one stride for both
-        ss.resize(sc.nbytes());
-        gather(sc, ss.data());
-        bs.resize(bi.nbytes());
-        gather(bi, bs.data());
-        sp = reinterpret_cast<const float*>(ss.data());
-        bp = reinterpret_cast<const float*>(bs.data());
-        lds = sc.shape(-1);
-      }
+      const float *sp = nullptr, *bp = nullptr;
+      scale_bias_rows(sc, bi, sp, bp, lds, ss, bs);
       dequantize(static_cast<const uint32_t*>(qp), ldq, sp, bp, lds, gs, bits, out.shape(0),
                  out.shape(1), out.data<float>());
     });

@@ -177,3 +177,10 @@ def stack_experts(weights: dict[str, mx.array], prefix: str, experts: int,
         out[f"{prefix}.{target}.up_proj.weight"] = gate_up[:, half:]
         out[f"{prefix}.{target}.down_proj.weight"] = out.pop(f"{prefix}.{source}.down_proj")
     return out
+
+
+def is_sparse_layer(layer: int, mlp_only_layers: list[int], num_experts: int,
+                    sparse_step: int) -> bool:
+    """Whether decoder layer ``layer`` uses the sparse MoE block (Qwen MoE config rules)."""
+    return (layer not in mlp_only_layers and num_experts > 0
+            and (layer + 1) % sparse_step == 0)

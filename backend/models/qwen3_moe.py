@@ -19,7 +19,7 @@ from backend.errors import ModelLoadError
 from backend.models.base import args_from_config
 from backend.models.decoder import Backbone, DecoderModel
 from backend.models.layers import Attention, AttentionShape, GatedMLP, RMSNorm
-from backend.models.moe import SparseMoE, stack_experts
+from backend.models.moe import SparseMoE, is_sparse_layer, stack_experts
 from backend.models.rope import RoPE, RopeSettings, rope_settings
 
 MODEL_TYPES = ("qwen3_moe",)
@@ -62,8 +62,8 @@ class ModelArgs:
         return args
 
     def is_sparse(self, layer: int) -> bool:
-        return (layer not in self.mlp_only_layers and self.num_experts > 0
-                and (layer + 1) % self.decoder_sparse_step == 0)
+        return is_sparse_layer(layer, self.mlp_only_layers, self.num_experts,
+                               self.decoder_sparse_step)
 
 
 class DecoderLayer(nn.Module):
