@@ -155,3 +155,29 @@ def test_model_decode_with_native_ops_equals_plain_mlx(K, tiny_model_dir, case):
         a = native(tokens[:, start:end], caches[id(native)])
         b = plain(tokens[:, start:end], caches[id(plain)])
         assert max_diff(a, b) < 1e-4, (case, start)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (3, 7), (2, 300, 1536)])  # last: threaded
+def test_silu_mul_matches_mlx(K, shape):
+    g = mx.random.normal(shape) * 6
+    u = mx.random.normal(shape)
+    want = nn_silu(g) * u
+    assert max_diff(K.silu_mul(g, u), want) < 1e-5
+    gt, ut = g.swapaxes(-1, -2), u.swapaxes(-1, -2)  # strided inputs
+    assert max_diff(K.silu_mul(gt, ut), nn_silu(gt) * ut) < 1e-5
+
+
+def test_silu_mul_saturates_without_overflow(K):
+    g = mx.array([-1000.0, -88.0, -20.0, 0.0, 20.0, 88.0, 1000.0])
+    got = K.silu_mul(g, mx.ones_like(g))
+    assert mx.all(mx.isfinite(got)).item()
+    assert max_diff(got, nn_silu(g)) < 1e-4
+
+
+def test_silu_mul_falls_back_for_other_dtypes(K):
+    g = mx.random.normal((4, 8)).astype(mx.bfloat16)
+    assert K.silu_mul(g, g).dtype == mx.bfloat16
+
+
+def nn_silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)

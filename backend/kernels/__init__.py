@@ -58,6 +58,7 @@ __all__ = [
     "rms_norm",
     "rope",
     "set_num_threads",
+    "silu_mul",
     "unavailable_reason",
 ]
 
@@ -323,6 +324,16 @@ def rope(x: Any, dims: int, offset: Any, scale: float, inv_freqs: Any) -> Any | 
     ):
         return _module.rope(x, int(dims), offset, float(scale), inv_freqs)
     return None
+
+
+def silu_mul(g: Any, u: Any) -> Any:
+    """``silu(g) * u`` (the SwiGLU gate): one threaded pass for float32 on the CPU, where
+    MLX's compiled kernel calls a scalar ``fmaf`` per element; MLX otherwise."""
+    import mlx.core as mx
+
+    if g.shape == u.shape and _f32_on_cpu(g, u):
+        return _module.silu_mul(g, u)
+    return g * mx.sigmoid(g) * u
 
 
 def isa() -> str | None:

@@ -1,5 +1,5 @@
-// Arithmetic of Arbor's decode-time attention, RMS norm and RoPE primitives
-// (the MLX glue is in decode_ops.cpp).
+// Arithmetic of Arbor's decode-time attention, RMS norm and RoPE primitives and
+// of the fused SwiGLU gate (the MLX glue is in decode_ops.cpp).
 //
 // Why: on MLX's CPU backend these small ops are graphs of many tiny ops
 // (fast.rope and fast.rms_norm fall back to composed ops; attention of one
@@ -196,6 +196,38 @@ ARBOR_CLONES void rms_row(const float* __restrict x, int64_t H, const float* __r
   }
 }
 
+// out[i] = g[i] * sigmoid(g[i]) * u[i]. sigmoid from e = exp(-|g|) <= 1, so the
+// exponential never overflows: 1 / (1 + e) for g >= 0, e / (1 + e) below.
+ARBOR_CLONES void silu_mul_range(const float* __restrict g, const float* __restrict u, int64_t n,
+                                 float* __restrict out) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const vf8 x = load8(g + i);
+    const vf8 neg = x < 0.0f ? x : -x;  // -|x|
+    const vf8 e = exp_nonpositive(neg);
+    const vf8 num = x < 0.0f ? e : e * 0.0f + 1.0f;
+    store8(out + i, x * (num / (1.0f + e)) * load8(u + i));
+  }
+  for (; i < n; ++i) {
+    const float x = g[i];
+    const float e = exp_nonpositive(x < 0.0f ? x : -x);
+    out[i] = x * ((x < 0.0f ? e : 1.0f) / (1.0f + e)) * u[i];
+  }
+}
+
+struct SiluMulJob {
+  const float* g;
+  const float* u;
+  float* out;
+  int64_t n, per_chunk;
+};
+
+void silu_mul_chunk(void* ctx, int64_t c) {
+  auto* j = static_cast<SiluMulJob*>(ctx);
+  const int64_t lo = c * j->per_chunk, hi = std::min(j->n, lo + j->per_chunk);
+  silu_mul_range(j->g + lo, j->u + lo, hi - lo, j->out + lo);
+}
+
 ARBOR_CLONES void rope_row(const float* __restrict x, float* __restrict out, int64_t D,
                            int64_t half, const float* __restrict c, const float* __restrict s) {
   for (int64_t i = 0; i < half; ++i) {
@@ -215,6 +247,13 @@ void attention(View3 q, View3 k, View3 v, int64_t B, int64_t Hq, int64_t Hkv, in
   // Below ~256k multiply-adds a pool hand-off costs more than it saves.
   const int64_t work = B * Hq * M * L * (D + Dv);
   parallel_for(groups, work < (1 << 18) ? 1 : max_threads(), &attend_chunk, &job);
+}
+
+void silu_mul(const float* g, const float* u, int64_t n, float* out) {
+  constexpr int64_t kChunk = 1 << 15;  // elements per pool chunk
+  SiluMulJob job{g, u, out, n, kChunk};
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  parallel_for(chunks, max_threads(), &silu_mul_chunk, &job);
 }
 
 void rms_norm(const float* x, int64_t ldx, int64_t rows, int64_t H, const float* w, float eps,

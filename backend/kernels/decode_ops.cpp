@@ -37,6 +37,14 @@ View3 view_of(const mx::array& a, std::vector<char>& scratch) {
   return View3{p, 0, st[0], st[1]};
 }
 
+// The elements of a float32 array in row-major order (copied when strided).
+const float* contiguous_floats(const mx::array& a, std::vector<char>& scratch) {
+  if (a.flags().row_contiguous) return a.data<float>();
+  scratch.resize(a.nbytes());
+  gather(a, scratch.data());
+  return reinterpret_cast<const float*>(scratch.data());
+}
+
 void register_io(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out) {
   auto& enc = mx::cpu::get_command_encoder(stream);
   for (const auto& a : inputs) enc.set_input_array(a);
@@ -96,21 +104,8 @@ class RmsNorm : public mx::UnaryPrimitive {
          out = mx::array::unsafe_weak_copy(out), eps, weighted]() mutable {
           if (out.size() == 0) return;
           std::vector<char> xs, ws;
-          const float* xp = x.data<float>();
-          if (!x.flags().row_contiguous) {
-            xs.resize(x.nbytes());
-            gather(x, xs.data());
-            xp = reinterpret_cast<const float*>(xs.data());
-          }
-          const float* wp = nullptr;
-          if (weighted) {
-            wp = w.data<float>();
-            if (!w.flags().row_contiguous) {
-              ws.resize(w.nbytes());
-              gather(w, ws.data());
-              wp = reinterpret_cast<const float*>(ws.data());
-            }
-          }
+          const float* xp = contiguous_floats(x, xs);
+          const float* wp = weighted ? contiguous_floats(w, ws) : nullptr;
           const int64_t H = x.shape(-1);
           rms_norm(xp, H, static_cast<int64_t>(x.size()) / H, H, wp, eps, out.data<float>());
         });
@@ -146,12 +141,7 @@ class Rope : public mx::UnaryPrimitive {
          out = mx::array::unsafe_weak_copy(out), dims, offset, scale]() mutable {
           if (out.size() == 0) return;
           std::vector<char> xs, fs;
-          const float* fp = f.data<float>();
-          if (!f.flags().row_contiguous) {
-            fs.resize(f.nbytes());
-            gather(f, fs.data());
-            fp = reinterpret_cast<const float*>(fs.data());
-          }
+          const float* fp = contiguous_floats(f, fs);
           rope(view_of(x, xs), x.shape(0), x.shape(1), x.shape(2), x.shape(3), dims, offset,
                scale, fp, out.data<float>());
         });
@@ -172,6 +162,32 @@ class Rope : public mx::UnaryPrimitive {
   int dims_;
   int64_t offset_;
   float scale_;
+};
+
+class SiluMul : public mx::UnaryPrimitive {
+ public:
+  explicit SiluMul(mx::Stream s) : mx::UnaryPrimitive(s) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    alloc_out(out);
+    register_io(stream(), inputs, out);
+    mx::cpu::get_command_encoder(stream()).dispatch(
+        [g = mx::array::unsafe_weak_copy(inputs[0]), u = mx::array::unsafe_weak_copy(inputs[1]),
+         out = mx::array::unsafe_weak_copy(out)]() mutable {
+          if (out.size() == 0) return;
+          std::vector<char> gs, us;
+          silu_mul(contiguous_floats(g, gs), contiguous_floats(u, us),
+                   static_cast<int64_t>(out.size()), out.data<float>());
+        });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[arbor.silu_mul] has no GPU implementation.");
+  }
+  const char* name() const override { return "ArborSiluMul"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
 };
 
 void require_f32(const char* op, const mx::array& a, const char* what) {
@@ -228,6 +244,15 @@ mx::array rope(const mx::array& x, int dims, int64_t offset, float scale,
                                 ".");
   return mx::array(x.shape(), mx::float32,
                    std::make_shared<Rope>(cpu_stream(s), dims, offset, scale), {x, inv_freqs});
+}
+
+mx::array silu_mul(const mx::array& g, const mx::array& u, mx::StreamOrDevice s) {
+  require_f32("silu_mul", g, "g");
+  require_f32("silu_mul", u, "u");
+  if (g.shape() != u.shape())
+    throw std::invalid_argument("[arbor.silu_mul] g " + shape_str(g) + " and u " + shape_str(u) +
+                                " differ in shape.");
+  return mx::array(g.shape(), mx::float32, std::make_shared<SiluMul>(cpu_stream(s)), {g, u});
 }
 
 }  // namespace arbor

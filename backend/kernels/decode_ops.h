@@ -22,4 +22,7 @@ mx::array rms_norm(const mx::array& x, const mx::array* weight, float eps,
 mx::array rope(const mx::array& x, int dims, int64_t offset, float scale,
                const mx::array& inv_freqs, mx::StreamOrDevice s = {});
 
+// silu(g) * u for float32 g and u of the same shape.
+mx::array silu_mul(const mx::array& g, const mx::array& u, mx::StreamOrDevice s = {});
+
 }  // namespace arbor

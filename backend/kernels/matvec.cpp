@@ -350,6 +350,9 @@ NB_MODULE(_arbor_kernels, m) {
         nb::arg("bits"),
         "mx.dequantize for MLX's affine layout (float32 scales and biases, bits 4 or 8) -> "
         "float32, threaded.");
+  m.def("silu_mul",
+        [](const mx::array& g, const mx::array& u) { return arbor::silu_mul(g, u); },
+        nb::arg("g"), nb::arg("u"), "silu(g) * u for float32 g and u of one shape.");
   m.def("attention",
         [](const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
           return arbor::attention(q, k, v, scale, causal);

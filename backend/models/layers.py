@@ -39,15 +39,22 @@ class RMSNorm(nn.Module):
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) — SwiGLU (silu) or GeGLU (gelu_tanh)."""
 
+    #: float32 SwiGLU gates through the native CPU kernel (set by ``use_cpu_kernels``).
+    native_ops = False
+
     def __init__(self, dims: int, hidden: int, bias: bool = False, activation: str = "silu"):
         super().__init__()
         self.gate_proj = nn.Linear(dims, hidden, bias=bias)
         self.up_proj = nn.Linear(dims, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, dims, bias=bias)
         self.activation = ACTIVATIONS[activation]
+        self.is_swiglu = activation == "silu"
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.native_ops and self.is_swiglu:
+            return self.down_proj(kernels.silu_mul(gate, up))
+        return self.down_proj(self.activation(gate) * up)
 
 
 ACTIVATIONS = {
