@@ -7,8 +7,9 @@ prompt and greedy decode of a fixed number of tokens with
 * Arbor's ``Engine.generate`` (the same path the app uses), and
 * mlx-lm's ``generate_step`` on the very same folder,
 
-measuring both the same way: prefill tok/s = prompt tokens / time to first token; decode tok/s =
-(tokens - 1) / time from first to last token. It also measures this machine's memory read
+measuring both the same way: prefill tok/s = prompt tokens / time to first token (the best of
+up to three runs while they fit a time budget); decode tok/s = (tokens - 1) / time from first to
+last token. It also measures this machine's memory read
 bandwidth and prints the decode ceiling (bandwidth / bytes of weights read per token) and the
 fraction of it each engine reaches. Timing belongs here, never in tests.
 """
@@ -105,14 +106,36 @@ def prompt_ids(vocab: int, n: int) -> list[int]:
     return [int(t) for t in rng.integers(100, min(vocab, 20000), size=n)]
 
 
+#: Prefill is timed again (best run kept) while the repeats stay within this many seconds: a
+#: single run of a fast engine is noisy on a shared machine, a slow one is timed once.
+PREFILL_REPEAT_BUDGET_S = 20.0
+PREFILL_MAX_RUNS = 3
+
+
+def best_prefill(run_once) -> float:
+    """Best prefill tok/s of up to PREFILL_MAX_RUNS calls of ``run_once() -> tok/s``."""
+    best, spent = 0.0, 0.0
+    for runs in range(1, PREFILL_MAX_RUNS + 1):
+        start = time.perf_counter()
+        best = max(best, run_once())
+        spent += time.perf_counter() - start
+        if spent + spent / runs > PREFILL_REPEAT_BUDGET_S:  # one more run would not fit
+            break
+    return best
+
+
 def time_arbor(folder: Path, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:
     engine = Engine(load_model(folder), Tokenizer.from_folder(folder), folder.name)
-    request = GenerateRequest(prompt_ids=prompt, max_tokens=new_tokens, ignore_eos=True)
-    list(engine.generate(GenerateRequest(prompt_ids=prompt[:16], max_tokens=4,
-                                         ignore_eos=True)))  # warm-up: compile, page weights
-    engine.clear_cache()
-    done = list(engine.generate(request))[-1]
-    return done.prefill_tps, done.decode_tps, engine.loaded.parameter_bytes
+
+    def generate(ids: list[int], tokens: int):
+        engine.clear_cache()  # no prefix reuse between runs
+        return list(engine.generate(GenerateRequest(prompt_ids=ids, max_tokens=tokens,
+                                                    ignore_eos=True)))[-1]
+
+    generate(prompt[:16], 4)  # warm-up: compile, page weights
+    done = generate(prompt, new_tokens)
+    prefill = max(done.prefill_tps, best_prefill(lambda: generate(prompt, 1).prefill_tps))
+    return prefill, done.decode_tps, engine.loaded.parameter_bytes
 
 
 def time_mlx_lm(folder: Path, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:
@@ -121,16 +144,21 @@ def time_mlx_lm(folder: Path, prompt: list[int], new_tokens: int) -> tuple[float
 
     model, _ = mlx_lm_load(folder)
     weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    for _ in generate_step(mx.array(prompt[:16]), model, max_tokens=4):
-        pass
-    start = time.perf_counter()
-    first = last = start
-    count = 0
-    for count, _ in enumerate(generate_step(mx.array(prompt), model, max_tokens=new_tokens), 1):
-        last = time.perf_counter()
-        if count == 1:
-            first = last
-    return len(prompt) / (first - start), (count - 1) / max(last - first, 1e-9), weight_bytes
+
+    def generate(ids: list[int], tokens: int) -> tuple[float, float]:
+        start = time.perf_counter()
+        first = last = start
+        count = 0
+        for count, _ in enumerate(generate_step(mx.array(ids), model, max_tokens=tokens), 1):
+            last = time.perf_counter()
+            if count == 1:
+                first = last
+        return len(ids) / (first - start), (count - 1) / max(last - first, 1e-9)
+
+    generate(prompt[:16], 4)  # warm-up
+    prefill, decode = generate(prompt, new_tokens)
+    prefill = max(prefill, best_prefill(lambda: generate(prompt, 1)[0]))
+    return prefill, decode, weight_bytes
 
 
 def run(source: Path, work_dir: Path, formats: tuple[str, ...] = FORMATS, prompt_tokens: int = 512,
