@@ -81,3 +81,64 @@ def test_bf16_checkpoint_keeps_16bit_weights_with_float32_results(tiny_model_dir
     got = mx.concatenate([prefill] + steps, axis=1)
     assert got.dtype == mx.float32
     assert np.abs(np.array(got) - np.array(expected)).max() < 1e-4
+
+
+@pytest.mark.parametrize("case,quantize", [("llama", None), ("qwen2", None), ("llama", 4),
+                                           ("qwen3_next", None)])
+def test_projections_sharing_an_input_are_stacked_without_copies(tiny_model_dir, tmp_path,
+                                                                 case, quantize):
+    """q/k/v and gate/up become one kernel call each; the layers' weights are views of the
+    stacked matrix (no byte stored twice) and outputs equal the separate layers'."""
+    import gc
+
+    from mlx.utils import tree_flatten
+
+    from backend.models.cpu_linear import StackedProjections
+    from backend.models.layers import Attention, GatedMLP
+    from backend.models.store import import_hf_folder
+
+    folder = tiny_model_dir(case)
+    if quantize:
+        folder = import_hf_folder(folder, tmp_path / "q", quantize=quantize)
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    model = load_model(folder).model
+    gc.collect()
+    mx.clear_cache()
+    params = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    stacked_bytes = sum(v.nbytes for m in model.modules() if getattr(m, "stacked", None)
+                        for v in m.stacked.stacked.values())
+    assert stacked_bytes > 0.05 * params  # so a second copy could not hide in the 1% slack
+    assert params <= mx.get_active_memory() - before < params * 1.01
+
+    stackable = [m for _, m in model.named_modules() if isinstance(m, (Attention, GatedMLP))]
+    assert stackable and all(isinstance(m.stacked, StackedProjections) for m in stackable)
+    plain = load_model(folder, cpu_kernels=False).model  # quantized: dequantized at load
+    if not quantize:
+        assert {k for k, _ in tree_flatten(model.parameters())} == {
+            k for k, _ in tree_flatten(plain.parameters())}
+
+    tokens = mx.array([[3, 17, 9, 40, 2, 11, 5, 8, 21, 30]])
+    caches, plain_caches = model.make_caches(), plain.make_caches()
+    for start, end in [(0, 7), (7, 8), (8, 10)]:  # prefill (separate layers), decode, verify
+        got = model(tokens[:, start:end], caches)
+        want = plain(tokens[:, start:end], plain_caches)
+        assert mx.abs(got - want).max().item() < (1e-4 if not quantize else 1e-3)
+    x = mx.random.normal((1, 1, stackable[0].stacked.layers[0].weight.shape[1] * (
+        32 // getattr(stackable[0].stacked.layers[0], "bits", 32))))
+    stacked = stackable[0].stacked
+    for ours, theirs in zip(stacked(x), [layer(x) for layer in stacked.layers]):
+        assert mx.array_equal(ours, theirs)  # one row: the same sums, bitwise
+
+
+def test_layers_of_different_kinds_are_not_stacked():
+    from backend.models.cpu_linear import KernelLinear, StackedProjections
+
+    a = KernelLinear(mx.zeros((4, 8)), None)
+    b = KernelLinear(mx.zeros((4, 8)), mx.zeros((4,)))
+    c = KernelLinear(mx.zeros((4, 8)).astype(mx.bfloat16), None)
+    assert StackedProjections.build([a, b]) is None  # bias on one only
+    assert StackedProjections.build([a, c]) is None  # weight dtypes differ
+    assert StackedProjections.build([a, nn.Linear(8, 4)]) is None
+    assert StackedProjections.build([a, KernelLinear(mx.ones((2, 8)), None)]) is not None

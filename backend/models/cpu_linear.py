@@ -98,6 +98,69 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
         return _quantized_product(self, x)
 
 
+class StackedProjections:
+    """Kernel linear layers that read the same input (q/k/v, gate/up) stacked by rows into one
+    matrix, so decode makes one kernel call instead of several (each call costs a graph node
+    and a thread-pool hand-off). The layers' own parameters become row slices of the stacked
+    arrays, which MLX keeps as views of one buffer: no weight is stored twice, and prefill
+    still calls each layer on its view (BLAS). Outputs equal the separate layers' exactly.
+    Built once the weights are loaded: replacing a layer's arrays afterwards would not reach
+    the stacked matrix."""
+
+    def __init__(self, layers: list[nn.Module], names: list[str], max_rows: int):
+        self.layers = layers
+        self.max_rows = max_rows
+        self.quantized = isinstance(layers[0], KernelQuantizedLinear)
+        self.widths = [layer.weight.shape[0] for layer in layers]
+        self.stacked: dict[str, mx.array] = {}
+        for name in names:
+            whole = mx.concatenate([layer[name] for layer in layers], axis=0)
+            mx.eval(whole)
+            self.stacked[name] = whole
+            start = 0
+            for layer, width in zip(layers, self.widths):
+                layer[name] = whole[start:start + width]
+                start += width
+            mx.eval([layer[name] for layer in layers])
+        self.splits = [sum(self.widths[:i]) for i in range(1, len(layers))]
+
+    @classmethod
+    def build(cls, layers: list[nn.Module]) -> "StackedProjections | None":
+        """Stack ``layers`` when they are kernel layers of one kind over one input width (same
+        weight dtype, or same bits and group size; biases on all or none), else None."""
+        first = layers[0]
+        if not all(type(layer) is type(first) for layer in layers):
+            return None
+        if not isinstance(first, (KernelLinear, KernelQuantizedLinear)):
+            return None
+        if len({"bias" in layer for layer in layers}) != 1:
+            return None
+        same = all(layer.weight.shape[1] == first.weight.shape[1]
+                   and layer.weight.dtype == first.weight.dtype for layer in layers)
+        names = ["weight"] + (["bias"] if "bias" in first else [])
+        max_rows = kernels.MAX_KERNEL_ROWS
+        if isinstance(first, KernelQuantizedLinear):
+            same = same and all((layer.bits, layer.group_size) == (first.bits, first.group_size)
+                                for layer in layers)
+            names += ["scales", "biases"]
+            max_rows = kernels.MAX_QUANTIZED_KERNEL_ROWS
+        return cls(layers, names, max_rows) if same else None
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        if _rows(x) > self.max_rows:
+            return [layer(x) for layer in self.layers]
+        w = self.stacked
+        if self.quantized:
+            first = self.layers[0]
+            y = kernels.quantized_linear(x, w["weight"], w["scales"], w["biases"],
+                                         first.group_size, first.bits)
+        else:
+            y = kernels.linear(x, w["weight"])
+        if "bias" in w:
+            y = y + w["bias"]
+        return mx.split(y, self.splits, axis=-1)
+
+
 def _swap(_path: str, module: nn.Module) -> nn.Module:
     affine = getattr(module, "mode", "affine") == "affine"
     if isinstance(module, nn.QuantizedLinear) and module.bits in (4, 8) and affine:
@@ -112,8 +175,9 @@ def _swap(_path: str, module: nn.Module) -> nn.Module:
 
 
 def use_cpu_kernels(model: nn.Module) -> bool:
-    """Route the model's linear layers, and its RMS norms, RoPE and attention (those with a
-    ``native_ops`` switch) through the native kernels; False if unavailable."""
+    """Route the model's linear layers, and its RMS norms, RoPE, attention and gates (those
+    with a ``native_ops`` switch) through the native kernels, and stack the projections that
+    share an input (``stackable_projections``); False if unavailable."""
     if not kernels.available():
         return False
     model.update_modules(tree_map_with_path(_swap, model.leaf_modules(),
@@ -121,4 +185,7 @@ def use_cpu_kernels(model: nn.Module) -> bool:
     for _, module in model.named_modules():
         if hasattr(module, "native_ops"):
             module.native_ops = True
+        names = getattr(module, "stackable_projections", ())
+        if names:
+            module.stacked = StackedProjections.build([module[name] for name in names])
     return True

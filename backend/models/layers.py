@@ -41,6 +41,9 @@ class GatedMLP(nn.Module):
 
     #: float32 SwiGLU gates through the native CPU kernel (set by ``use_cpu_kernels``).
     native_ops = False
+    #: Projections of one input that ``use_cpu_kernels`` may stack into one matrix.
+    stackable_projections = ("gate_proj", "up_proj")
+    stacked = None  # their StackedProjections, when stacked
 
     def __init__(self, dims: int, hidden: int, bias: bool = False, activation: str = "silu"):
         super().__init__()
@@ -51,7 +54,10 @@ class GatedMLP(nn.Module):
         self.is_swiglu = activation == "silu"
 
     def __call__(self, x: mx.array) -> mx.array:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.stacked is not None:
+            gate, up = self.stacked(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         if self.native_ops and self.is_swiglu:
             return self.down_proj(kernels.silu_mul(gate, up))
         return self.down_proj(self.activation(gate) * up)
@@ -83,6 +89,9 @@ class AttentionShape:
 class Attention(nn.Module):
     #: Decode-sized float32 attention through the native CPU kernel (set by ``use_cpu_kernels``).
     native_ops = False
+    #: Projections of one input that ``use_cpu_kernels`` may stack into one matrix.
+    stackable_projections = ("q_proj", "k_proj", "v_proj")
+    stacked = None  # their StackedProjections, when stacked
 
     def __init__(self, shape: AttentionShape, rope: RoPE, mask: AttentionMask = CAUSAL):
         super().__init__()
@@ -104,12 +113,15 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, cache: Cache) -> mx.array:
         b, n, _ = x.shape  # x: (B, N, hidden)
-        q = self.q_proj(x)
+        if self.stacked is not None:
+            q, k, v = self.stacked(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.output_gate:  # per head: [query (head_dim) | gate (head_dim)]
             q, gate = mx.split(q.reshape(b, n, self.num_heads, 2 * self.head_dim), 2, axis=-1)
         q = q.reshape(b, n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, n, self.num_kv_heads, self.head_dim)
+        k = k.reshape(b, n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, n, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (B, heads, N, D)
