@@ -181,3 +181,11 @@ def test_silu_mul_falls_back_for_other_dtypes(K):
 
 def nn_silu(x: mx.array) -> mx.array:
     return x * mx.sigmoid(x)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 2 * 96), (2, 5, 2 * 40), (1, 300, 2 * 1536)])
+def test_silu_mul_reads_the_halves_of_a_stacked_product_in_place(K, shape):
+    y = mx.random.normal(shape) * 4
+    g, u = mx.split(y, 2, axis=-1)  # views with a row stride of 2H
+    assert max_diff(K.silu_mul(g, u), nn_silu(g) * u) < 1e-5
+    assert max_diff(K.silu_mul(u, g), nn_silu(u) * g) < 1e-5

@@ -217,15 +217,19 @@ ARBOR_CLONES void silu_mul_range(const float* __restrict g, const float* __restr
 
 struct SiluMulJob {
   const float* g;
+  int64_t ldg;
   const float* u;
+  int64_t ldu;
+  int64_t H;
   float* out;
-  int64_t n, per_chunk;
+  int64_t rows, rows_per_chunk;
 };
 
 void silu_mul_chunk(void* ctx, int64_t c) {
   auto* j = static_cast<SiluMulJob*>(ctx);
-  const int64_t lo = c * j->per_chunk, hi = std::min(j->n, lo + j->per_chunk);
-  silu_mul_range(j->g + lo, j->u + lo, hi - lo, j->out + lo);
+  const int64_t r1 = std::min(j->rows, (c + 1) * j->rows_per_chunk);
+  for (int64_t r = c * j->rows_per_chunk; r < r1; ++r)
+    silu_mul_range(j->g + r * j->ldg, j->u + r * j->ldu, j->H, j->out + r * j->H);
 }
 
 ARBOR_CLONES void rope_row(const float* __restrict x, float* __restrict out, int64_t D,
@@ -249,11 +253,13 @@ void attention(View3 q, View3 k, View3 v, int64_t B, int64_t Hq, int64_t Hkv, in
   parallel_for(groups, work < (1 << 18) ? 1 : max_threads(), &attend_chunk, &job);
 }
 
-void silu_mul(const float* g, const float* u, int64_t n, float* out) {
+void silu_mul(const float* g, int64_t ldg, const float* u, int64_t ldu, int64_t rows, int64_t H,
+              float* out) {
+  if (rows <= 0 || H <= 0) return;
   constexpr int64_t kChunk = 1 << 15;  // elements per pool chunk
-  SiluMulJob job{g, u, out, n, kChunk};
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  parallel_for(chunks, max_threads(), &silu_mul_chunk, &job);
+  const int64_t per = std::max<int64_t>(1, kChunk / H);
+  SiluMulJob job{g, ldg, u, ldu, H, out, rows, per};
+  parallel_for((rows + per - 1) / per, max_threads(), &silu_mul_chunk, &job);
 }
 
 void rms_norm(const float* x, int64_t ldx, int64_t rows, int64_t H, const float* w, float eps,

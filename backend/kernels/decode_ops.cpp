@@ -175,9 +175,21 @@ class SiluMul : public mx::UnaryPrimitive {
         [g = mx::array::unsafe_weak_copy(inputs[0]), u = mx::array::unsafe_weak_copy(inputs[1]),
          out = mx::array::unsafe_weak_copy(out)]() mutable {
           if (out.size() == 0) return;
+          // Rows read in place at their stride (the halves of a stacked gate/up product).
+          const int64_t H = out.shape(-1), rows = static_cast<int64_t>(out.size()) / H;
           std::vector<char> gs, us;
-          silu_mul(contiguous_floats(g, gs), contiguous_floats(u, us),
-                   static_cast<int64_t>(out.size()), out.data<float>());
+          int64_t ldg = uniform_row_stride(g), ldu = uniform_row_stride(u);
+          const float* gp = g.data<float>();
+          const float* up = u.data<float>();
+          if (ldg < 0) {
+            gp = contiguous_floats(g, gs);
+            ldg = H;
+          }
+          if (ldu < 0) {
+            up = contiguous_floats(u, us);
+            ldu = H;
+          }
+          silu_mul(gp, ldg, up, ldu, rows, H, out.data<float>());
         });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {

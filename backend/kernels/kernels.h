@@ -89,8 +89,10 @@ struct View3 {
 void attention(View3 q, View3 k, View3 v, int64_t B, int64_t Hq, int64_t Hkv, int64_t M,
                int64_t L, int64_t D, int64_t Dv, float scale, bool causal, float* out);
 
-// out[i] = silu(g[i]) * u[i] for n contiguous floats (threaded when large).
-void silu_mul(const float* g, const float* u, int64_t n, float* out);
+// out (rows x H) = silu(g) * u for rows of g and u at row strides ldg / ldu
+// (threaded when large).
+void silu_mul(const float* g, int64_t ldg, const float* u, int64_t ldu, int64_t rows, int64_t H,
+              float* out);
 
 // rows x H (row stride ldx) -> out (rows x H): x * rsqrt(mean(x^2) + eps) * w
 // (w may be null: no weight).

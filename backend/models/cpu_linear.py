@@ -101,15 +101,14 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
 class StackedProjections:
     """Kernel linear layers that read the same input (q/k/v, gate/up) stacked by rows into one
     matrix, so decode makes one kernel call instead of several (each call costs a graph node
-    and a thread-pool hand-off). The layers' own parameters become row slices of the stacked
-    arrays, which MLX keeps as views of one buffer: no weight is stored twice, and prefill
-    still calls each layer on its view (BLAS). Outputs equal the separate layers' exactly.
+    and a thread-pool hand-off) and prefill one larger BLAS product. The layers' own parameters
+    become row slices of the stacked arrays, which MLX keeps as views of one buffer: no weight
+    is stored twice. Decode outputs equal the separate layers' exactly.
     Built once the weights are loaded: replacing a layer's arrays afterwards would not reach
     the stacked matrix."""
 
-    def __init__(self, layers: list[nn.Module], names: list[str], max_rows: int):
+    def __init__(self, layers: list[nn.Module], names: list[str]):
         self.layers = layers
-        self.max_rows = max_rows
         self.quantized = isinstance(layers[0], KernelQuantizedLinear)
         self.widths = [layer.weight.shape[0] for layer in layers]
         self.stacked: dict[str, mx.array] = {}
@@ -138,17 +137,13 @@ class StackedProjections:
         same = all(layer.weight.shape[1] == first.weight.shape[1]
                    and layer.weight.dtype == first.weight.dtype for layer in layers)
         names = ["weight"] + (["bias"] if "bias" in first else [])
-        max_rows = kernels.MAX_KERNEL_ROWS
         if isinstance(first, KernelQuantizedLinear):
             same = same and all((layer.bits, layer.group_size) == (first.bits, first.group_size)
                                 for layer in layers)
             names += ["scales", "biases"]
-            max_rows = kernels.MAX_QUANTIZED_KERNEL_ROWS
-        return cls(layers, names, max_rows) if same else None
+        return cls(layers, names) if same else None
 
     def __call__(self, x: mx.array) -> list[mx.array]:
-        if _rows(x) > self.max_rows:
-            return [layer(x) for layer in self.layers]
         w = self.stacked
         if self.quantized:
             first = self.layers[0]
