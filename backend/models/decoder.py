@@ -16,6 +16,15 @@ from backend.caches.base import Cache
 from backend.models.layers import RMSNorm
 
 
+class PreNormDecoderLayer(nn.Module):
+    """The Llama-style residual block: ``h = x + self_attn(input_layernorm(x))``, then
+    ``h + mlp(post_attention_layernorm(h))``. Subclasses build those four modules."""
+
+    def __call__(self, x: mx.array, cache: Cache) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
 class Backbone(nn.Module):
     """tokens -> embedding (optionally scaled) -> layers -> final RMSNorm."""
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from backend.caches.base import Cache
 from backend.caches.kv import KVCache
 from backend.errors import ModelLoadError
 from backend.models.base import args_from_config
-from backend.models.decoder import Backbone, DecoderModel
+from backend.models.decoder import Backbone, DecoderModel, PreNormDecoderLayer
 from backend.models.layers import Attention, AttentionShape, GatedMLP, RMSNorm
 from backend.models.moe import SparseMoE, is_sparse_layer, stack_experts
 from backend.models.rope import RoPE, RopeSettings, rope_settings
@@ -66,7 +65,7 @@ class ModelArgs:
                                self.decoder_sparse_step)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(PreNormDecoderLayer):
     def __init__(self, args: ModelArgs, index: int):
         super().__init__()
         shape = AttentionShape(
@@ -88,10 +87,6 @@ class DecoderLayer(nn.Module):
                                 activation=args.hidden_act)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    def __call__(self, x: mx.array, cache: Cache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Model(DecoderModel):
