@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 from backend.caches.base import CAUSAL, Cache, sliding_window
 from backend.caches.kv import KVCache
 from backend.models.base import args_from_config
