@@ -240,7 +240,7 @@ def test_quantize_keeps_already_quantized_weights(store: ModelStore, tmp_path: P
         module: {"group_size": 32, "bits": 4},
     }
     assert out["quantization_config"] == out["quantization"]
-    assert model.quantization == "mixed"
+    assert model.quantization == "8-bit g64 + 4-bit g32"  # the default first
     arrays = load_all(model.path)
     for suffix in ("weight", "scales", "biases"):
         np.testing.assert_array_equal(
@@ -370,7 +370,8 @@ def test_resolve_none_imports_the_default_model_once(
     path = store.resolve(None)
     assert path == store.root / DEFAULT_MODEL_NAME
     model = store.get(DEFAULT_MODEL_NAME)
-    assert (model.architecture, model.quantization) == ("llama", "mixed")
+    # Q4_1 blocks of 32, the embedding Q8_0
+    assert (model.architecture, model.quantization) == ("llama", "4-bit g32 + 8-bit g32")
     assert model.parameters == 134_515_008  # SmolLM2-135M, embedding tied
     monkeypatch.setattr(
         "backend.models.gguf.import_gguf", lambda *a, **k: pytest.fail("imported twice")

@@ -133,12 +133,13 @@ def read_quantization(
 
 
 def describe_quantization(config: Mapping[str, Any]) -> str | None:
-    """``"4-bit g32"`` when every quantized module shares one spec, ``"mixed"`` otherwise, ``None``
-    for a floating-point model."""
+    """``"4-bit g32"`` when every quantized module shares one spec; with per-module overrides
+    the default spec first, then the others (``"4-bit g32 + 8-bit g32"``); ``None`` for a
+    floating-point model."""
     default, overrides = read_quantization(config)
-    specs = {spec for spec in overrides.values() if spec is not None}
-    if default is not None:
-        specs.add(default)
+    others = sorted({spec for spec in overrides.values() if spec is not None} - {default},
+                    key=lambda spec: (spec.bits, spec.group_size))
+    specs = ([default] if default is not None else []) + others
     if not specs:
         return None
-    return specs.pop().describe() if len(specs) == 1 else "mixed"
+    return " + ".join(spec.describe() for spec in specs)

@@ -68,7 +68,7 @@ _FOREIGN_WEIGHTS = (
 
 @dataclass(frozen=True)
 class StoredModel:
-    """A model in the store. ``quantization`` is e.g. ``"4-bit g32"``, ``"mixed"`` or ``None``
+    """A model in the store. ``quantization`` is e.g. ``"4-bit g32"``, ``"4-bit g32 + 8-bit g32"`` or ``None``
     (floating point); ``parameters`` counts logical weights (a packed 4-bit word counts 8)."""
 
     name: str
