@@ -25,10 +25,6 @@ from backend import kernels
 MAX_KERNEL_ROWS = kernels.MAX_KERNEL_ROWS
 
 
-def _rows(x: mx.array) -> int:
-    return x.size // x.shape[-1]
-
-
 def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
     """x @ W.T for an affine-quantized W: kernel for decode and short prefills, dequantize +
     BLAS for long ones (``kernels.quantized_linear`` picks)."""
