@@ -21,6 +21,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from backend import kernels
 from backend.caches.base import AttentionMask, KVHistory
 
 
@@ -116,15 +117,16 @@ def scaled_dot_product_attention(queries: mx.array, history: KVHistory, mask: At
     ``native``: a few float32 queries (decode, verification) whose mask is "all keys" or
     "causal" go to the native CPU attention kernel when it is built.
     """
-    if native and key_padding is None:
+    if native and key_padding is None and queries.shape[2] <= kernels.MAX_ATTENTION_QUERIES:
         mask_arg = attention_mask(history, mask)
         if mask_arg is None or isinstance(mask_arg, str):
-            from backend import kernels
-
             out = kernels.attention(queries, history.keys, history.values, scale,
                                     causal=mask_arg == "causal")
             if out is not None:
                 return out
+        # A boolean mask (e.g. a wrapped sliding window): MLX, with the mask just built.
+        return mx.fast.scaled_dot_product_attention(
+            queries, history.keys, history.values, scale=scale, mask=mask_arg)
     blocks = None if key_padding is not None else query_blocks(history, mask)
     if blocks is not None:
         outs = []
