@@ -89,13 +89,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_type: str):
         super().__init__()
         self.is_sliding = layer_type == SLIDING
-        shape = AttentionShape(
-            hidden_size=args.hidden_size,
-            num_heads=args.num_attention_heads,
-            num_kv_heads=args.num_key_value_heads,
-            head_dim=args.head_dim,
-            qkv_bias=args.attention_bias,
-            out_bias=args.attention_bias,
+        shape = AttentionShape.from_args(
+            args,
             qk_norm_eps=args.rms_norm_eps,
             qk_norm_offset=1.0,
             scale=args.query_pre_attn_scalar ** -0.5,

@@ -7,6 +7,7 @@ through ``cache.update(...) -> KVHistory`` and the shared SDPA helper (see docs/
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -84,6 +85,15 @@ class AttentionShape:
     scale: float | None = None  # defaults to head_dim ** -0.5
     # q_proj also emits a per-head gate: out = o_proj(attn * sigmoid(gate)) (Qwen3-Next)
     output_gate: bool = False
+
+    @classmethod
+    def from_args(cls, args: Any, **overrides: Any) -> "AttentionShape":
+        """The shape most configs describe the same way (sizes, heads, ``attention_bias`` on
+        every projection); ``overrides`` set the rest or replace any of these."""
+        values = dict(hidden_size=args.hidden_size, num_heads=args.num_attention_heads,
+                      num_kv_heads=args.num_key_value_heads, head_dim=args.head_dim,
+                      qkv_bias=args.attention_bias, out_bias=args.attention_bias)
+        return cls(**{**values, **overrides})
 
 
 class Attention(nn.Module):

@@ -59,12 +59,8 @@ class ModelArgs:
 class DecoderLayer(PreNormDecoderLayer):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        shape = AttentionShape(
-            hidden_size=args.hidden_size,
-            num_heads=args.num_attention_heads,
-            num_kv_heads=args.num_key_value_heads,
-            head_dim=args.head_dim,
-            qkv_bias=args.attention_bias,
+        shape = AttentionShape.from_args(
+            args,
             out_bias=args.attention_bias and args.model_type not in ("qwen2",),
             qk_norm_eps=args.rms_norm_eps if args.model_type == "qwen3" else None,
         )

@@ -68,15 +68,7 @@ class ModelArgs:
 class DecoderLayer(PreNormDecoderLayer):
     def __init__(self, args: ModelArgs, index: int):
         super().__init__()
-        shape = AttentionShape(
-            hidden_size=args.hidden_size,
-            num_heads=args.num_attention_heads,
-            num_kv_heads=args.num_key_value_heads,
-            head_dim=args.head_dim,
-            qkv_bias=args.attention_bias,
-            out_bias=args.attention_bias,
-            qk_norm_eps=args.rms_norm_eps,
-        )
+        shape = AttentionShape.from_args(args, qk_norm_eps=args.rms_norm_eps)
         self.self_attn = Attention(shape, RoPE(args.head_dim, args.rope))
         if args.is_sparse(index):
             self.mlp = SparseMoE(args.hidden_size, args.moe_intermediate_size, args.num_experts,

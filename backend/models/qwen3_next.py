@@ -222,17 +222,8 @@ class DecoderLayer(nn.Module):
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(args)
         else:
-            shape = AttentionShape(
-                hidden_size=args.hidden_size,
-                num_heads=args.num_attention_heads,
-                num_kv_heads=args.num_key_value_heads,
-                head_dim=args.head_dim,
-                qkv_bias=args.attention_bias,
-                out_bias=args.attention_bias,
-                qk_norm_eps=args.rms_norm_eps,
-                qk_norm_offset=1.0,
-                output_gate=True,
-            )
+            shape = AttentionShape.from_args(
+                args, qk_norm_eps=args.rms_norm_eps, qk_norm_offset=1.0, output_gate=True)
             rotary = int(args.head_dim * args.partial_rotary_factor)
             self.self_attn = Attention(shape, RoPE(rotary, args.rope))
         if args.is_sparse(index):
