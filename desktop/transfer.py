@@ -37,10 +37,10 @@ def write_json(store: ChatStore, conversation_ids: Iterable[int], path: Path) ->
 
 
 def import_json(store: ChatStore, document: Any) -> list[int]:
-    """Import every conversation of ``document``; returns the new ids.
+    """Import every conversation of ``document``, all or nothing; returns the new ids.
 
     Accepts the document above or a single exported conversation. Raises ``StoreError`` with a
-    one-line reason for anything else; a bad conversation stops the import before it is written.
+    one-line reason naming the bad conversation; then nothing at all is written.
     """
     if isinstance(document, dict) and document.get("format") == FORMAT:
         if not isinstance(document.get("version"), int) or document["version"] > VERSION:
@@ -52,7 +52,7 @@ def import_json(store: ChatStore, document: Any) -> list[int]:
         raise StoreError("not an Arbor conversation export")
     if not isinstance(conversations, list):
         raise StoreError("the export's 'conversations' is not a list")
-    return [store.import_tree(c) for c in conversations if isinstance(c, dict)]
+    return store.import_trees(conversations)
 
 
 def read_json(store: ChatStore, path: Path) -> list[int]:

@@ -20,6 +20,7 @@ from desktop.store import (
     StoreError,
     fts_query,
 )
+from tests.desktop.corrupt_rows import raw_rows
 
 
 @pytest.fixture
@@ -215,12 +216,67 @@ def test_json_export_import_round_trips_the_whole_tree(store, tmp_path):
         ({"format": "arbor.conversations", "version": 99, "conversations": []}, "unsupported export version"),
         ({"messages": [{"id": 1, "parent": 5, "role": "user", "content": "x"}]}, "does not come before it"),
         ({"messages": [{"id": 1, "role": "system", "content": "x"}]}, "not a user/assistant message"),
+        ({"messages": [{"id": [1], "role": "user", "content": "x"}]}, r"message 0 has an id that is not a number"),
+        ({"messages": [{"id": 1, "role": "user", "content": "x"}, {"id": 1, "role": "user", "content": "y"}]},
+         "message 1 repeats the id 1"),
+        ({"messages": [{"id": 1, "parent": {"id": 0}, "role": "user", "content": "x"}]}, "does not come before it"),
+        ({"format": "arbor.conversations", "version": 1, "conversations": ["text"]}, "not a conversation"),
+        ({"format": "arbor.conversations", "version": 1, "conversations": {"a": 1}}, "is not a list"),
     ],
 )
 def test_bad_imports_fail_with_a_reason_and_write_nothing(store, document, reason):
-    with pytest.raises(StoreError, match=reason):
+    with pytest.raises(StoreError, match=reason) as failure:
         transfer.import_json(store, json.loads(json.dumps(document)))
+    assert "\n" not in str(failure.value)
     assert store.count_conversations() == 0
+
+
+def exported_chat(title: str, parent_of_second=1) -> dict:
+    return {"title": title, "messages": [
+        {"id": 1, "parent": None, "role": "user", "content": f"{title} question"},
+        {"id": 2, "parent": parent_of_second, "role": "assistant", "content": f"{title} answer"},
+    ]}
+
+
+def test_a_file_with_one_bad_conversation_imports_nothing(store, tmp_path):
+    kept = store.create_conversation("Already here")
+    store.add_message(kept.id, None, "user", "stored before the import")
+    before = raw_rows(tmp_path / "chats.sqlite3")
+    document = {"format": "arbor.conversations", "version": 1,
+                "conversations": [exported_chat("Good"), exported_chat("Fine"), exported_chat("Broken", 7)]}
+    with pytest.raises(StoreError) as failure:
+        transfer.import_json(store, document)
+    assert str(failure.value) == ("conversation 3 of 3 ('Broken'): message 1 answers message 7, "
+                                  "which does not come before it")
+    assert raw_rows(tmp_path / "chats.sqlite3") == before
+    assert store.search("question") == []
+
+
+def test_a_write_that_fails_halfway_rolls_the_whole_import_back(store, tmp_path):
+    before = raw_rows(tmp_path / "chats.sqlite3")
+    # The database refuses the second conversation (as a full disk would): the first, already
+    # written inside the same transaction, must go too.
+    store._db.execute("CREATE TEMP TRIGGER refuse BEFORE INSERT ON conversations WHEN new.title = 'Second'"
+                      " BEGIN SELECT RAISE(ABORT, 'no space left'); END")
+    document = {"format": "arbor.conversations", "version": 1,
+                "conversations": [exported_chat("First"), exported_chat("Second")]}
+    with pytest.raises(StoreError, match="cannot write the import .*no space left"):
+        transfer.import_json(store, document)
+    assert raw_rows(tmp_path / "chats.sqlite3") == before
+    assert store.count_conversations() == 0
+
+
+def test_imported_values_arbor_would_never_store_become_defaults(store):
+    document = exported_chat("Odd")
+    document.update(created_at=float("inf"), updated_at=-5, title_source="robot", current_leaf=[2])
+    document["messages"][1].update(status="streaming", created_at=float("nan"),
+                                   stats={"generated_tokens": "many", "ttft_s": 0.5, "note": "kept"})
+    [copy] = transfer.import_json(store, json.loads(json.dumps(document)))
+    conversation = store.conversation(copy)
+    assert conversation.created_at == conversation.updated_at == 1_000_000.0  # the store's clock
+    assert conversation.title_source == "user" and conversation.problems == ()
+    reply = store.path(copy)[1].message
+    assert reply.status == "complete" and reply.stats == {"ttft_s": 0.5, "note": "kept"} and reply.problems == ()
 
 
 def test_lineage_is_the_chain_a_reply_answers(store):
