@@ -1,29 +1,24 @@
 """Where the desktop app keeps its data.
 
-The base data dir is ``$ARBOR_HOME`` when set (tests and portable installs use it), else
-``platformdirs.user_data_dir("arbor")``. The model store (``backend.models.store``) lives in
-``<base>/models``; conversations live in ``<base>/conversations.sqlite3``; partial Hub downloads
-in ``<base>/downloads``.
+The base data dir is decided in one place, ``backend.paths.data_dir`` (``$ARBOR_HOME`` when set,
+else ``platformdirs.user_data_dir("arbor")``); the backend's model store lives in
+``<base>/models``. The app adds ``<base>/conversations.sqlite3`` for conversations and
+``<base>/downloads`` for partial Hub downloads.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-ENV_HOME = "ARBOR_HOME"
+from backend import paths as backend_paths
+from backend.paths import ENV_HOME  # noqa: F401  (re-exported: the variable's name)
+
 DATABASE_NAME = "conversations.sqlite3"
 
 
 def data_dir() -> Path:
     """The base data dir (created on demand)."""
-    home = os.environ.get(ENV_HOME)
-    if home:
-        base = Path(home).expanduser()
-    else:
-        import platformdirs
-
-        base = Path(platformdirs.user_data_dir("arbor"))
+    base = backend_paths.data_dir()
     base.mkdir(parents=True, exist_ok=True)
     return base
 

