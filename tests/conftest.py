@@ -1,4 +1,5 @@
-"""Shared test setup: offscreen Qt, an isolated Arbor data dir, tiny model folders."""
+"""Shared test setup: offscreen Qt, an isolated Arbor data dir, tiny model folders, the parts
+setup provides (native kernels, the default model) and the skip policy (tests/skip_policy.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,16 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 import pytest  # noqa: E402
 
 import backend  # noqa: E402,F401  (loads the system BLAS before mlx.core)
+from tests.skip_policy import (  # noqa: E402,F401  (hooks: every skip must name an absent platform)
+    NO_COMPILER,
+    NOT_LINUX_X86_64,
+    compiler_found,
+    platform_skip,
+    pytest_make_collect_report,
+    pytest_runtest_makereport,
+)
+
+pytest_plugins = ["pytester"]
 
 
 @pytest.fixture(autouse=True)
@@ -30,3 +41,32 @@ def tiny_model_dir(tmp_path_factory):
         return made[case]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def native_kernels():
+    """``backend.kernels``, built and loaded. Skipped only where the platform is absent (not
+    Linux x86-64, no C++ compiler); where it can be built, a failed build fails the test."""
+    from backend import kernels
+    from backend.kernels.build import supported_platform
+
+    supported, why = supported_platform()
+    if not supported:
+        platform_skip(NOT_LINUX_X86_64, why)
+    if kernels.ensure_built(quiet=True):
+        return kernels
+    if not compiler_found():
+        platform_skip(NO_COMPILER, str(kernels.unavailable_reason()))
+    pytest.fail(f"the native kernels did not build: {kernels.unavailable_reason()}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def default_model_gguf():
+    """The default model's GGUF file, found the way the model store finds it."""
+    from backend.errors import ModelLoadError
+    from backend.models.store import default_model_source
+
+    try:
+        return default_model_source()
+    except ModelLoadError as exc:
+        pytest.fail(str(exc), pytrace=False)

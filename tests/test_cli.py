@@ -132,7 +132,8 @@ def test_terminal_chat_keeps_history(tiny_model_dir):
     assert not stats[1].strip().startswith("[4 tokens, 0.0 tok/s, 0/")
 
 
-def test_no_display_falls_back_to_terminal_chat(tiny_model_dir):
+def test_no_display_falls_back_to_terminal_chat(default_model_gguf):
+    """Without --model the terminal chat opens the default model."""
     env = {"QT_QPA_PLATFORM": "offscreen", "PATH": "/usr/bin:/bin"}
     import os
     env.update({k: v for k, v in os.environ.items() if k.startswith(("ARBOR", "PYTHON", "HOME"))})

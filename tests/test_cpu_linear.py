@@ -7,12 +7,12 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from backend import kernels
 from backend.models.cpu_linear import MAX_KERNEL_ROWS, use_cpu_kernels
 from backend.models.loading import load_model
 
-pytestmark = pytest.mark.skipif(not kernels.available(),
-                                reason=f"native kernels: {kernels.unavailable_reason()}")
+# Decided when the first test runs, after tests/conftest.py's fixture has built the kernels (a
+# skipif at import time would see an unbuilt extension in a fresh clone and skip everything).
+pytestmark = pytest.mark.usefixtures("native_kernels")
 
 
 class Tiny(nn.Module):

