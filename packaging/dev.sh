@@ -39,9 +39,16 @@ install_python_deps() {
 }
 
 build_kernels() {
-  # Optional native CPU kernels (fast decode); Arbor runs without them if this fails.
-  "$venv/bin/python" -m backend.kernels.build --quiet \
-    || echo "note: native CPU kernels not built; using plain MLX matmuls" >&2
+  # Native CPU kernels (fast decode). The app runs without them; the tests must not: where they
+  # can be built (Linux x86-64 with a C++ compiler, tests/skip_policy.py) a failed build stops
+  # the test command instead of letting their tests skip.
+  "$venv/bin/python" -m backend.kernels.build --quiet && return 0
+  if [ "$1" = required ] && "$venv/bin/python" -c \
+      'import sys; from tests.skip_policy import kernels_expected; sys.exit(not kernels_expected())'; then
+    echo "error: the native CPU kernels did not build on a platform that can build them" >&2
+    exit 1
+  fi
+  echo "note: native CPU kernels not built; using plain MLX matmuls" >&2
 }
 
 install_openblas
@@ -49,12 +56,12 @@ install_openblas
 case "$mode" in
   app)
     install_python_deps ""
-    build_kernels
+    build_kernels optional
     exec "$venv/bin/arbor" "$@"
     ;;
   test)
     install_python_deps "[test]"
-    build_kernels
+    build_kernels required
     export QT_QPA_PLATFORM=offscreen
     exec "$venv/bin/python" -m pytest -q "$@"
     ;;

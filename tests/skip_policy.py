@@ -45,6 +45,12 @@ def compiler_found() -> bool:
     return True
 
 
+def kernels_expected() -> bool:
+    """Where the native kernels must build and their tests run (``packaging/dev.sh test`` stops
+    when they do not build here)."""
+    return linux_x86_64() and compiler_found()
+
+
 def absent_platforms() -> list[str]:
     """The phrases a skip reason may start with on this machine."""
     checks: dict[str, Callable[[], bool]] = {
@@ -70,7 +76,7 @@ class Part:
 
 
 PARTS = (
-    Part("native_kernels", "the native CPU kernels", lambda: linux_x86_64() and compiler_found()),
+    Part("native_kernels", "the native CPU kernels", kernels_expected),
     Part("default_model_gguf", "the default model (SmolLM2-135M-Instruct)", lambda: True),
     Part("smollm2", "the real-vocabulary (SmolLM2) tokenizer", lambda: True),
 )
