@@ -7,10 +7,11 @@ last, else the embedded default) and returns the process exit code when the wind
 ``create_app(...)`` builds the same parts without running the event loop; tests, the benchmark
 and the screenshot script use it (with their own engine loader when they need one).
 
-Shutdown: the window stops every reply, then the inference worker gets ``SHUTDOWN_DEADLINE_S``
-to finish its current step. If it cannot (a model still loading, one long prefill chunk), the
-store is closed cleanly and the process exits without waiting - never hanging, never destroying
-a running thread.
+Shutdown: the window stops every reply and every model task is cancelled, then the inference
+worker and the model-task thread together get ``SHUTDOWN_DEADLINE_S`` to finish their current
+step. If either cannot (a model still loading, one long prefill chunk, a job that does not check
+for cancellation), the store is closed cleanly and the process exits without waiting - never
+hanging, never destroying a running thread.
 """
 
 from __future__ import annotations
@@ -39,14 +40,22 @@ class AppParts:
     window: object  # MainWindow
 
     def shutdown(self, deadline_s: float = SHUTDOWN_DEADLINE_S) -> bool:
-        """Stop replies and threads, close the store; False if the worker missed the deadline."""
+        """Stop replies and threads, close the store; False if a thread missed the deadline
+        (it is still running: the caller must exit without destroying it, see ``run``)."""
+        from PySide6.QtCore import QDeadlineTimer
+
         self.window.controller.stop_all()
-        stopped = self.client.shutdown(deadline_s)
+        threads = {"inference worker": self.client, "model-task thread": self.tasks}
+        for thread in threads.values():
+            thread.stop()  # both are cancelled before either is waited for
+        deadline = QDeadlineTimer(int(deadline_s * 1000))
+        late = [name for name, thread in threads.items() if not thread.wait(deadline)]
         self.window.controller.close()
-        self.tasks.shutdown(min(deadline_s, 2.0))
         self.store.purge_deleted()
         self.store.close()
-        return stopped
+        if late:
+            log.warning("the %s did not stop within %.1f s", " and the ".join(late), deadline_s)
+        return not late
 
 
 def ensure_application(argv: list[str] | None = None):
@@ -107,8 +116,7 @@ def run(model: str | None = None) -> int:
         return EXIT_STORE_ERROR
     parts.window.show()
     code = app.exec()
-    if not parts.shutdown():
-        log.warning("the inference worker did not stop within %.0f s; exiting without it", SHUTDOWN_DEADLINE_S)
+    if not parts.shutdown():  # a thread is still running: leave without waiting for it
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -18,24 +18,20 @@ Threading contract
       carrying all text since the previous one, so a fast model never floods the GUI's event
       queue. The first token is sent at once (time to first token is visible).
     * ``InferenceClient.shutdown(deadline_s)`` cancels everything and waits at most that long.
+      The thread, request ids, cancel events and shutdown are ``desktop.worker_handle``'s.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Protocol
 
 from desktop import qt_compat  # noqa: F401,I001  (before any signal is emitted; see the module)
-from PySide6.QtCore import QDeadlineTimer, QObject, QThread, Signal, Slot
+from PySide6.QtCore import QObject, Signal, Slot
 
 from backend.api import DoneEvent, GenerateRequest, ModelInfo, TokenEvent
-from backend.errors import ArborError
-
-log = logging.getLogger(__name__)
+from desktop.worker_handle import Worker, WorkerHandle, describe_error  # noqa: F401 (re-exported)
 
 DEFAULT_UPDATES_PER_SECOND = 50
 
@@ -79,15 +75,7 @@ def stats_from_done(done: DoneEvent) -> dict[str, Any]:
     }
 
 
-def describe_error(exc: BaseException) -> str:
-    """One line for the user: an ``ArborError``'s own message, else the type and message (a bug
-    in Arbor; the traceback goes to the log)."""
-    if isinstance(exc, ArborError):
-        return str(exc)
-    return f"internal error: {type(exc).__name__}: {exc}"
-
-
-class InferenceWorker(QObject):
+class InferenceWorker(Worker):
     """Runs on the worker thread; see the module docstring for the signal contract."""
 
     model_loading = Signal(int, str)
@@ -112,21 +100,19 @@ class InferenceWorker(QObject):
             engine = self._loader(ref)
             info = engine.info
         except Exception as exc:  # noqa: BLE001 - every failure must reach the user
-            if not isinstance(exc, ArborError):
-                log.exception("loading %r failed", ref)
-            self.model_failed.emit(request_id, describe_error(exc))
+            self.fail(request_id, self.model_failed, exc, f"loading {ref!r}")
             return
         self._engine = engine  # the previous engine is released here, on this thread
-        self.model_loaded.emit(request_id, info)
+        self.end(request_id, self.model_loaded, info)
 
     @Slot(int, object, object)
     def generate(self, request_id: int, request: GenerateRequest, cancel: threading.Event) -> None:
         if cancel.is_set():
-            self.cancelled.emit(request_id, None)
+            self.end(request_id, self.cancelled, None)
             return
         self.started.emit(request_id)
         if self._engine is None:
-            self.errored.emit(request_id, "no model is loaded")
+            self.end(request_id, self.errored, "no model is loaded")
             return
         pending: list[str] = []
         last_emit = float("-inf")
@@ -146,28 +132,21 @@ class InferenceWorker(QObject):
         except Exception as exc:  # noqa: BLE001
             if pending:
                 self.token.emit(request_id, "".join(pending))
-            if not isinstance(exc, ArborError):
-                log.exception("generation %d failed", request_id)
-            self.errored.emit(request_id, describe_error(exc))
+            self.fail(request_id, self.errored, exc, "generation")
             return
         if pending:
             self.token.emit(request_id, "".join(pending))
         if done is None:
-            self.errored.emit(request_id, "internal error: the engine ended without statistics")
+            self.end(request_id, self.errored, "internal error: the engine ended without statistics")
         elif done.finish_reason == "cancelled":
-            self.cancelled.emit(request_id, done)
+            self.end(request_id, self.cancelled, done)
         else:
-            self.finished.emit(request_id, done)
+            self.end(request_id, self.finished, done)
 
 
-@dataclass
-class _Pending:
-    cancel: threading.Event
-    kind: str  # "load" | "generate"
-
-
-class InferenceClient(QObject):
-    """The GUI thread's handle on the worker: submit, cancel, shut down.
+class InferenceClient(WorkerHandle):
+    """The GUI thread's handle on the worker: submit, cancel (``cancel``, ``cancel_all``),
+    ``busy``, ``is_pending``, ``shutdown`` (see ``desktop.worker_handle.WorkerHandle``).
 
     Re-emits the worker's signals on the GUI thread after its own bookkeeping, so receivers may
     write Qt models directly. Request ids are unique for the client's lifetime.
@@ -192,99 +171,30 @@ class InferenceClient(QObject):
         updates_per_second: float = DEFAULT_UPDATES_PER_SECOND,
         parent: QObject | None = None,
     ) -> None:
-        super().__init__(parent)
-        self._ids = itertools.count(1)
-        self._pending: dict[int, _Pending] = {}
+        worker = InferenceWorker(loader, updates_per_second)
+        super().__init__(worker, "arbor-inference", parent)
         self.model_info: ModelInfo | None = None
-        self._thread = QThread()
-        self._thread.setObjectName("arbor-inference")
-        self._worker = InferenceWorker(loader, updates_per_second)
-        self._worker.moveToThread(self._thread)
-        self._thread.finished.connect(self._worker.deleteLater)
-        self._load_requested.connect(self._worker.load_model)
-        self._generate_requested.connect(self._worker.generate)
-        w = self._worker
-        w.model_loading.connect(self.model_loading)
-        w.model_loaded.connect(self._on_model_loaded)
-        w.model_failed.connect(self._on_model_failed)
-        w.started.connect(self.started)
-        w.token.connect(self.token)
-        w.finished.connect(self._on_finished)
-        w.cancelled.connect(self._on_cancelled)
-        w.errored.connect(self._on_errored)
-        self._thread.start()
-
-    # -- commands --------------------------------------------------------------------------------
+        self._load_requested.connect(worker.load_model)
+        self._generate_requested.connect(worker.generate)
+        worker.model_loading.connect(self.model_loading)
+        worker.model_loaded.connect(self._on_model_loaded)
+        # Signal to signal: Qt queues each re-emission to this object's (the GUI) thread.
+        for name in ("model_failed", "started", "token", "finished", "cancelled", "errored"):
+            getattr(worker, name).connect(getattr(self, name))
 
     def load_model(self, ref: str | None) -> int:
         """Queue loading ``ref`` (None: the default model); returns the request id."""
-        request_id = next(self._ids)
-        self._pending[request_id] = _Pending(threading.Event(), "load")
+        request_id, cancel = self._open_request()
         self._load_requested.emit(request_id, ref)
         return request_id
 
     def generate(self, request: GenerateRequest) -> int:
         """Queue a generation; returns its request id."""
-        request_id = next(self._ids)
-        cancel = threading.Event()
-        self._pending[request_id] = _Pending(cancel, "generate")
+        request_id, cancel = self._open_request()
         self._generate_requested.emit(request_id, request, cancel)
         return request_id
 
-    def cancel(self, request_id: int) -> None:
-        """Stop a generation now (running or queued). Unknown or finished ids are ignored."""
-        pending = self._pending.get(request_id)
-        if pending is not None:
-            pending.cancel.set()
-
-    def cancel_all(self) -> None:
-        for pending in self._pending.values():
-            pending.cancel.set()
-
-    def is_pending(self, request_id: int) -> bool:
-        return request_id in self._pending
-
-    @property
-    def busy(self) -> bool:
-        """True while any load or generation is queued or running."""
-        return bool(self._pending)
-
-    def shutdown(self, deadline_s: float = 5.0) -> bool:
-        """Cancel everything and stop the thread; False if it did not stop within the deadline
-        (a model load or one prefill chunk cannot be interrupted)."""
-        if not self._thread.isRunning():
-            return True
-        self.cancel_all()
-        self._thread.quit()
-        stopped = self._thread.wait(QDeadlineTimer(int(deadline_s * 1000)))
-        if stopped:
-            self._pending.clear()
-        return stopped
-
-    # -- bookkeeping -----------------------------------------------------------------------------
-
     @Slot(int, object)
     def _on_model_loaded(self, request_id: int, info: ModelInfo) -> None:
-        self._pending.pop(request_id, None)
         self.model_info = info
         self.model_loaded.emit(request_id, info)
-
-    @Slot(int, str)
-    def _on_model_failed(self, request_id: int, message: str) -> None:
-        self._pending.pop(request_id, None)
-        self.model_failed.emit(request_id, message)
-
-    @Slot(int, object)
-    def _on_finished(self, request_id: int, done: DoneEvent) -> None:
-        self._pending.pop(request_id, None)
-        self.finished.emit(request_id, done)
-
-    @Slot(int, object)
-    def _on_cancelled(self, request_id: int, done: DoneEvent | None) -> None:
-        self._pending.pop(request_id, None)
-        self.cancelled.emit(request_id, done)
-
-    @Slot(int, str)
-    def _on_errored(self, request_id: int, message: str) -> None:
-        self._pending.pop(request_id, None)
-        self.errored.emit(request_id, message)
