@@ -46,16 +46,21 @@ class Backbone(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    """A backbone plus the vocabulary projection (tied to the embedding or ``lm_head``).
+    """A backbone plus the vocabulary projection: the embedding's transpose (tied) or an own
+    ``lm_head``.
 
-    Subclasses implement ``make_caches`` and may extend ``sanitize`` / ``logits``.
+    ``tie_word_embeddings`` chooses the projection, unless the checkpoint ships an
+    ``lm_head.weight`` anyway: then that head is used, as transformers and mlx-lm's Gemma 3 do
+    (``sanitize`` settles it). Subclasses implement ``make_caches`` and may extend
+    ``sanitize`` / ``logits``.
     """
 
     def __init__(self, args: Any, backbone: Backbone):
         super().__init__()
         self.args = args
         self.model = backbone
-        if not args.tie_word_embeddings:
+        self.tied_head = bool(args.tie_word_embeddings)
+        if not self.tied_head:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
@@ -66,17 +71,16 @@ class DecoderModel(nn.Module):
         return self.model(tokens, caches)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        if self.args.tie_word_embeddings:
+        if self.tied_head:
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
 
-    def make_caches(self) -> list[Cache]:
-        raise NotImplementedError
-
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """Drop what the checkpoint carries but the module tree does not: precomputed RoPE
-        frequencies and, with tied embeddings, a duplicate ``lm_head``."""
+        """Drop precomputed RoPE frequencies (the module computes its own), and give a tied
+        model the ``lm_head`` its checkpoint ships: a config may say the embeddings are tied
+        while the checkpoint holds a distinct head, and the references use that head."""
         weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if self.args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        if self.tied_head and "lm_head.weight" in weights:
+            self.tied_head = False
+            self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
         return weights
