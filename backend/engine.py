@@ -35,6 +35,7 @@ from backend.api import DoneEvent, GenerateRequest, ModelInfo, TokenEvent
 from backend.caches.base import Cache
 from backend.errors import ContextLengthError, InvalidRequestError
 from backend.models.loading import LoadedModel, load_model
+from backend.models.quantize import describe_quantization
 from backend.sampling import Sampler
 from backend.tokenizer import StopMatcher, Tokenizer
 
@@ -86,13 +87,11 @@ class Engine:
 
     @property
     def info(self) -> ModelInfo:
-        q = self.loaded.source_quantization
-        quant = f"{q.get('bits')}-bit g{q.get('group_size')}" if q else None
         return ModelInfo(
             name=self.name,
             architecture=str(self.loaded.config.get("model_type")),
             dtype=str(self.loaded.dtype).replace("mlx.core.", ""),
-            quantization=quant,
+            quantization=describe_quantization(self.loaded.config),
             context_length=self.context_length,
             parameter_bytes=self.loaded.parameter_bytes,
         )
