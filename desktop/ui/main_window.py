@@ -92,6 +92,8 @@ class MainWindow(QMainWindow):
         self._apply_theme(theme.dark)
 
         QTimer.singleShot(300, self.renderer.warm_up)  # while the user reads, not while they wait
+        if store.app_setting_problems:
+            self.statusBar().showMessage("; ".join(store.app_setting_problems.values()))
         last = store.app_setting(LAST_CONVERSATION_KEY)
         self.open_conversation(last if isinstance(last, int) and self._exists(last) else None)
         if load_model:
@@ -124,11 +126,21 @@ class MainWindow(QMainWindow):
         row.addWidget(self.models_button)
         row.addWidget(self.settings_button)
 
+        # One line naming the parts of the open chat that could not be read (see ChatStore).
+        self.notice_label = QLabel()
+        self.notice_label.setObjectName("chatNotice")
+        self.notice_label.setContentsMargins(16, 0, 12, 4)
+        self.notice_label.setAccessibleName("Problems reading this chat")
+        self.notice_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.notice_label.setMinimumWidth(1)  # a long line is cut (full text in the tooltip), never widens the window
+        self.notice_label.hide()
+
         right = QWidget()
         column = QVBoxLayout(right)
         column.setContentsMargins(0, 0, 0, 0)
         column.setSpacing(0)
         column.addWidget(header)
+        column.addWidget(self.notice_label)
         column.addWidget(self.chat_view, 1)
         column.addWidget(self.composer)
 
@@ -245,6 +257,7 @@ class MainWindow(QMainWindow):
             self.title_label.setText(self.store.conversation(conversation_id).title)
             self.sidebar.select_conversation(conversation_id)
             self.store.set_app_setting(LAST_CONVERSATION_KEY, conversation_id)
+        self._show_notice()
         self.chat_view.scroll_to_bottom()
         self._update_composer()
 
@@ -357,6 +370,14 @@ class MainWindow(QMainWindow):
         reply = self.controller.active_reply(self.current_id) if self.current_id is not None else None
         return {reply.message_id} if reply is not None else set()
 
+    def _show_notice(self) -> None:
+        """The open chat's unreadable parts in one line (hidden when it was read as written)."""
+        problems = self.store.conversation(self.current_id).problems if self.current_id is not None else ()
+        text = "Part of this chat could not be read: " + "; ".join(problems) if problems else ""
+        self.notice_label.setText(text)
+        self.notice_label.setToolTip(text)
+        self.notice_label.setVisible(bool(problems))
+
     def _update_composer(self) -> None:
         generating = self.current_id is not None and self.controller.active_reply(self.current_id) is not None
         self.composer.set_generating(generating)
@@ -366,6 +387,7 @@ class MainWindow(QMainWindow):
         if conversation_id == self.current_id:
             self._show_path()
             self._update_composer()
+            self._show_notice()
 
     def _on_reply_state(self, conversation_id: int, _message_id: int) -> None:
         if conversation_id == self.current_id:
@@ -388,6 +410,7 @@ class MainWindow(QMainWindow):
         if conversation_id == self.current_id:
             self.title_label.setText(self.store.conversation(conversation_id).title)
             self.sidebar.select_conversation(conversation_id)
+            self._show_notice()
         self._refresh_search()
 
     # -- settings --------------------------------------------------------------------------------
@@ -410,6 +433,7 @@ class MainWindow(QMainWindow):
             self.conversations.refresh()
             self.sidebar.select_conversation(self.current_id)
         self.store.set_settings(self.current_id, settings)
+        self._show_notice()  # saved settings replace unreadable ones
         self.statusBar().showMessage("Chat settings saved", 2000)
 
     def set_theme(self, choice: str) -> None:
@@ -447,8 +471,10 @@ class MainWindow(QMainWindow):
             self._model_manager.set_loaded(info.name)
 
     def _on_model_failed(self, message: str) -> None:
-        self.model_label.setText("No model")
-        self._set_model_status(f"Model not loaded: {message}")
+        loaded = self.controller.model_info  # the worker keeps the model it had
+        if loaded is None:
+            self.model_label.setText("No model")
+        self._set_model_status(f"Model not loaded: {message}" + (f" (still using {loaded.name})" if loaded else ""))
 
     def _set_model_status(self, text: str) -> None:
         self.status_label.setText(text)

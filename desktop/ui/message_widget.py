@@ -96,6 +96,7 @@ class MessageWidget(QFrame):
         self.note = QLabel()
         self.note.setObjectName("statusNote")
         self.note.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+        self.note.setMinimumWidth(1)  # a long note is cut (full text in the tooltip), never widens the chat
         header.addWidget(self.speaker)
         header.addWidget(self.note)
         header.addStretch(1)
@@ -150,7 +151,10 @@ class MessageWidget(QFrame):
         note = "writing…" if streaming else STATUS_NOTES.get(message.status, "")
         if message.status == "error" and message.error:
             note = f"failed: {message.error}"
+        if message.problems:  # parts of the stored message that could not be read, one line
+            note = "; ".join(filter(None, (note, *message.problems)))
         self.note.setText(note)
+        self.note.setToolTip(note)
         self.note.setVisible(bool(note))
         count, index = item.sibling_count, item.sibling_index
         for widget in (self.previous_button, self.branch_label, self.next_button):
