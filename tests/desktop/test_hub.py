@@ -31,7 +31,8 @@ def test_download_to_store_reports_progress_and_imports(fake_hub, tiny_folder, t
     assert stored.name == "tiny-llama" and stored.architecture == "llama"
     assert seen == sorted(seen) and seen[-1] == 1.0 and len(seen) > 3
     assert (stored.path / "model.safetensors").read_bytes() == (tiny_folder / "model.safetensors").read_bytes()
-    assert not any(fake_hub.ranges("pytorch_model.bin"))  # foreign weights are never fetched
+    assert fake_hub.ranges("pytorch_model.bin") == []  # foreign weights are never fetched
+    assert fake_hub.ranges("model.safetensors") != []  # (what a fetch looks like)
     assert not list((tmp_path / "downloads").rglob("*.safetensors"))  # staging removed
 
 
