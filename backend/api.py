@@ -77,6 +77,29 @@ class DoneEvent:
 
 
 @dataclass(frozen=True)
+class TierStats:
+    """One tier of the prefix cache: bytes held and allowed, stored nodes, prompt tokens served
+    from it, and copies moved out of it (to a lower tier or dropped) to stay within budget."""
+
+    bytes: int
+    budget: int
+    entries: int
+    hits: int
+    evictions: int
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """``Engine.cache_stats()``: the prefix cache's tiers ("device", "host", "disk")."""
+
+    tiers: dict[str, TierStats]
+    nodes: int
+    live_tokens: int  # token ids the live caches hold
+    live_hits: int  # prompt tokens reused from the live caches without any restore
+    disk_read_only: bool = False  # another process holds the disk tier's writer lock
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the UI shows about a loaded model."""
 

@@ -1,0 +1,812 @@
+"""PrefixCache: one prefix trie for every conversation, over the model's live caches, in tiers.
+
+Scope: which token ids the live caches hold, where every other stored prefix lives (device /
+host / disk), and moving state between them. Not in scope: running the model (the engine writes
+the caches between ``begin`` and ``commit``) or what a conversation is (the trie needs no
+conversation id: any prompt that shares a prefix with anything stored reuses it).
+
+One request, as the engine drives it::
+
+    resume = cache.begin(prompt)     # 1. longest stored prefix -> live caches at resume.cached
+                                     #    (captures for this prefill scheduled on every cache)
+    ... prefill prompt[resume.cached:], decode ...
+    cache.attach_captures(held)      # 2. after the prefill (or a cancel): keep what it crossed
+    cache.commit(held)               # 3. record the generated segment; held = ids the caches hold
+    cache.persist()                  # 4. write new nodes to disk (the engine calls this when idle)
+    (cache.abort() instead of 2-3 when the write failed half way: the live caches are dropped)
+
+Node data. Every node holds, per cache layer, the snapshot of its edge: for a *span* layer
+(full-attention KV) the keys/values of exactly ``[start, end)``; for a *state* layer (rotating
+window, recurrent state) the state at ``end`` or nothing (a node cut out of a longer one has no
+state of its own). Each node's data sits on one or more tiers at once: ``device`` (the caches'
+own snapshots, MLX arrays; lazy views of the live buffer cost nothing until the live cache
+overwrites them), ``host`` (numpy ``SnapshotRecord``s) and ``disk`` (one file, see ``disk.py``).
+Every change of residency goes through one helper per transition (``_set_device``,
+``_drop_device``, ``_set_host``, ``_drop_host``, ``_set_disk``, ``_drop_disk``), which is also the
+only place the byte and entry counters change.
+
+Matching (``begin``). The longest stored prefix of the prompt, capped so that at least one
+prompt token is evaluated. Span layers reach any position of it (rewind the live cache, then
+append node snapshots); a state layer reaches a position only by rewinding its live state there
+(``Cache.can_rewind_to``) or from a node that ends exactly there with its state. The restore
+target is the deepest position every layer reaches, so all layers sit at one offset.
+
+Captures, scheduled with ``Cache.prepare_snapshots`` so the prefill writes capture them for free:
+the branch point (the match length, when the restore had to stop short of it), every
+``capture_interval`` tokens, and ``pre_end`` tokens before the end of the prompt (so a
+regenerated reply or an edited last message skips the prompt). The end of each generated
+segment is recorded at ``commit`` from the live caches.
+
+Budgets. After each step the least recently used copies move down a tier: device -> host ->
+disk -> dropped; the live conversation's path goes last. A running request locks the path it
+restored (``begin`` .. ``commit``): a locked node is never dropped, and loses a copy only when
+another tier holds one or the live caches do (then it becomes free views of them). Budgets are
+exact bytes (``nbytes`` of arrays, file sizes) and are never exceeded between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from backend.api import CacheStats, TierStats
+from backend.memory.budgets import CacheBudgets
+from backend.memory.disk import DiskEntry, DiskStore, new_node_id
+from backend.memory.records import LayerRecords, records_nbytes
+from backend.memory.trie import PrefixTrie, TokenIds, TrieNode, as_ids, common_prefix_length
+
+log = logging.getLogger(__name__)
+
+TIERS = ("device", "host", "disk")
+CAPTURE_INTERVAL = 4096
+PRE_END = 4
+
+
+class NodeData:
+    """What a node stores, and on which tiers (see the module docstring)."""
+
+    __slots__ = ("id", "layers", "device", "host", "disk", "device_bytes", "host_bytes")
+
+    def __init__(self, layers: Sequence[bool], node_id: str | None = None) -> None:
+        self.id = node_id or new_node_id()
+        self.layers = tuple(layers)  # which layers have a snapshot at this node
+        self.device: list | None = None
+        self.host: LayerRecords | None = None
+        self.disk: DiskEntry | None = None
+        self.device_bytes = 0
+        self.host_bytes = 0
+
+    @property
+    def on_device(self) -> bool:
+        return self.device is not None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host is not None
+
+    @property
+    def on_disk(self) -> bool:
+        return self.disk is not None
+
+    @property
+    def disk_bytes(self) -> int:
+        return 0 if self.disk is None else self.disk.nbytes
+
+    def tiers(self) -> int:
+        return self.on_device + self.on_host + self.on_disk
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What ``begin`` restored: ``cached`` prompt tokens are in the live caches."""
+
+    cached: int
+    by_tier: dict[str, int]  # tokens per source: "live" (already there), device, host, disk
+    restore_s: float
+
+
+@dataclass
+class _Request:
+    prompt: array
+    cached: int
+    offsets: list[int] = field(default_factory=list)  # scheduled capture offsets, ascending
+    attached: bool = False
+
+
+class PrefixCache:
+    """See the module docstring. Used from one thread (the engine's)."""
+
+    def __init__(self, caches: Sequence, budgets: CacheBudgets, disk: DiskStore | None = None,
+                 evaluate: Callable[[Sequence], None] | None = None,
+                 capture_interval: int = CAPTURE_INTERVAL, pre_end: int = PRE_END) -> None:
+        self.caches = list(caches)
+        self.kinds = [c.snapshot_kind for c in self.caches]
+        self.budgets = budgets
+        self.disk = disk if budgets.disk_bytes > 0 else None
+        self._evaluate = evaluate or (lambda caches: None)
+        self.capture_interval = capture_interval
+        self.pre_end = pre_end
+        self.trie = PrefixTrie()
+        self.live = array("i")  # the token ids the live caches hold, always a stored prefix
+        self._locked: TrieNode | None = None  # deepest node of the running request's path
+        self._request: _Request | None = None
+        self._bytes = dict.fromkeys(TIERS, 0)
+        self._entries = dict.fromkeys(TIERS, 0)
+        self.hits = dict.fromkeys(("live",) + TIERS, 0)
+        self.evictions = dict.fromkeys(TIERS, 0)
+        self._lazy: set[TrieNode] = set()  # nodes with device snapshots still viewing live buffers
+        self._unpersisted: list[TrieNode] = []
+        if self.disk is not None:
+            self._load_disk_index(self.disk)
+        elif disk is not None:
+            disk.close()
+
+    # ============================================================================================
+    # 1. begin: restore the longest stored prefix
+    # ============================================================================================
+    def begin(self, prompt: TokenIds) -> Resume:
+        if self._request is not None:
+            raise RuntimeError("begin() while a request is running: commit or abort it first")
+        prompt = as_ids(prompt)
+        if not prompt:
+            raise ValueError("an empty prompt has no token to evaluate")
+        t0 = time.perf_counter()
+        self.persist()
+        while True:
+            match = self.trie.match(prompt)
+            limit = min(match.length, len(prompt) - 1)
+            path = [n for n in match.path if n.start < limit]
+            live_common = min(common_prefix_length(self.live, prompt), limit)
+            target = self._deepest_reachable(path, limit, live_common)
+            unreadable, sources = self._load_for_restore(path, target, live_common)
+            if unreadable is None:
+                break
+            self._forget_unreadable(unreadable)
+        by_tier = self._restore(path, target, live_common, sources)
+        self.live = prompt[:target]
+        self._relock(match.node_at(target - 1) if target else None)
+        self._touch([n for n in path if n.start < target])
+        request = _Request(prompt, target)
+        request.offsets = self._capture_offsets(target, limit, len(prompt))
+        for cache in self.caches:
+            cache.prepare_snapshots(request.offsets)
+        self._request = request
+        self._enforce_budgets()
+        for tier, n in by_tier.items():
+            self.hits[tier] += n
+        return Resume(target, by_tier, time.perf_counter() - t0)
+
+    def _deepest_reachable(self, path: list[TrieNode], limit: int, live_common: int) -> int:
+        ends = {n.end: n for n in path if n.end <= limit}
+        for c in sorted({limit, 0, *ends}, reverse=True):
+            if all(self._layer_reaches(j, c, ends, live_common) for j in range(len(self.caches))):
+                return c
+        return 0
+
+    def _layer_reaches(self, j: int, c: int, ends: dict[int, TrieNode], live_common: int) -> bool:
+        if c == 0 or self.kinds[j] == "span":
+            return True
+        if c <= live_common and self.caches[j].can_rewind_to(c):
+            return True
+        node = ends.get(c)
+        return node is not None and node.data.layers[j]
+
+    def _needed_nodes(self, path: list[TrieNode], target: int, live_common: int) -> list[TrieNode]:
+        """Nodes whose snapshots the restore to ``target`` reads, root first."""
+        rewind = min(live_common, target)
+        needed: list[TrieNode] = []
+        for j, cache in enumerate(self.caches):
+            if target == 0 or (target <= live_common and cache.can_rewind_to(target)):
+                continue
+            if self.kinds[j] == "span":
+                needed += [n for n in path if n.end > rewind and n.start < target]
+            else:
+                needed += [n for n in path if n.end == target]
+        seen: set[int] = set()
+        return [n for n in needed if not (id(n) in seen or seen.add(id(n)))]
+
+    def _load_for_restore(self, path, target, live_common):
+        """Bring the nodes the restore reads onto the device; (unreadable node, sources)."""
+        sources: dict[int, str] = {}
+        for node in sorted(self._needed_nodes(path, target, live_common), key=lambda n: n.start):
+            source = self._load_device(node)
+            if source is None:
+                return node, sources
+            sources[id(node)] = source
+        return None, sources
+
+    def _restore(self, path, target, live_common, sources) -> dict[str, int]:
+        rewind = min(live_common, target)
+        ends = {n.end: n for n in path}
+        by_tier = dict.fromkeys(("live",) + TIERS, 0)
+        paged = False
+        for j, cache in enumerate(self.caches):
+            if target == 0 or (target <= live_common and cache.can_rewind_to(target)):
+                ok = cache.restore(None, target)
+            elif self.kinds[j] == "span":
+                ok = cache.restore(None, rewind)
+                cache.reserve(target)
+                for node in path:
+                    if node.end > rewind and node.start < target:
+                        ok = ok and cache.restore(node.data.device[j], min(node.end, target))
+                paged = True
+            else:
+                ok = cache.restore(ends[target].data.device[j], target)
+            if not ok or cache.offset != target:
+                raise RuntimeError(f"restore of layer {j} to {target} failed "
+                                   f"(offset {cache.offset}): the trie and the caches disagree")
+        self._evaluate(self.caches)
+        if not paged:
+            by_tier["live"] = target
+            return by_tier
+        by_tier["live"] = rewind
+        for node in path:
+            lo, hi = max(node.start, rewind), min(node.end, target)
+            if hi > lo:
+                by_tier[sources.get(id(node), "device")] += hi - lo
+        return by_tier
+
+    def _capture_offsets(self, cached: int, limit: int, n: int) -> list[int]:
+        offsets = {n - self.pre_end}
+        offsets.update(range(self.capture_interval, n, self.capture_interval))
+        if cached < limit:
+            offsets.add(limit)  # the branch point this restore could not reach exactly
+        return sorted(o for o in offsets if cached < o < n)
+
+    # ============================================================================================
+    # 2. attach_captures: keep the states the prefill crossed
+    # ============================================================================================
+    def attach_captures(self, held: TokenIds) -> None:
+        """Take the scheduled captures from every cache and store the ones the writes crossed
+        (``held``: the ids the caches hold now). Also right after a cancelled prefill."""
+        request = self._require_request()
+        if request.attached:
+            return
+        request.attached = True
+        held = as_ids(held)
+        rows = [cache.take_snapshots() for cache in self.caches]
+        for cache in self.caches:
+            cache.cancel_snapshots()
+        if len({len(r) for r in rows}) > 1:
+            raise RuntimeError(f"caches captured different numbers of snapshots: "
+                               f"{[len(r) for r in rows]}")
+        for i, offset in enumerate(request.offsets[:len(rows[0]) if rows else 0]):
+            row = [r[i] for r in rows]
+            if offset > len(held):
+                _close_all(row)
+                continue
+            self._attach(held, offset, row)
+
+    def _attach(self, held: array, offset: int, row: list) -> None:
+        node = self._node_ending_at(held, offset)
+        if node is None:
+            _close_all(row)
+            return
+        if node.data is None:  # a new node: the captures are its data
+            clipped = [self._clip(j, snap, node.start) for j, snap in enumerate(row)]
+            if any(snap is None for j, snap in enumerate(clipped) if self.kinds[j] == "span"):
+                _close_all(clipped)  # a capture did not cover the whole edge: leave no node
+                self.trie.remove_leaf(node)
+                return
+            self._new_data(node, clipped)
+            return
+        extra = {}
+        for j, snap in enumerate(row):
+            if node.data.layers[j] or self.kinds[j] == "span":
+                snap.close()  # keep what is stored
+            else:
+                extra[j] = self._clip(j, snap, node.start)
+        self._add_layers(node, extra)
+
+    def _clip(self, j: int, snap, start: int):
+        """The capture restricted to a node starting at ``start`` (None: it does not cover it)."""
+        if snap is None or snap.start == start:
+            return snap
+        if snap.start > start:
+            if self.kinds[j] == "span":
+                snap.close()
+                return None
+            return snap  # a state is the state at its end, wherever its range began
+        head, tail = self.caches[j].split(snap, start)
+        if head is not None:
+            head.close()
+        return tail
+
+    # ============================================================================================
+    # 3. commit: record the generated segment; abort
+    # ============================================================================================
+    def commit(self, held: TokenIds) -> None:
+        """End the request: the caches hold ``held`` (prompt + what was generated and fed)."""
+        self._require_request()
+        held = as_ids(held)
+        self.attach_captures(held)
+        if any(cache.offset != len(held) for cache in self.caches):
+            raise RuntimeError(f"commit({len(held)} tokens) but the caches are at "
+                               f"{[c.offset for c in self.caches]}")
+        node = self._record_segment(held)
+        self._request = None
+        self.live = held
+        self._relock(None)
+        if node is not None:
+            self._touch(node.path())
+            self._unpersisted.append(node)
+        self._enforce_budgets()
+
+    def _record_segment(self, held: array) -> TrieNode | None:
+        """Make a node end at ``len(held)`` holding the live caches' state there."""
+        end = len(held)
+        if end == 0:
+            return None
+        match = self.trie.match(held)
+        has_state = "state" in self.kinds
+        if match.length < end:
+            parent = self._node_ending_at(held, match.length) if match.length else self.trie.root
+            if parent is None:
+                return None
+            node = self.trie.add_child(parent, held[match.length:])
+            self._new_data(node, [c.snapshot(node.start) for c in self.caches])
+            return node
+        node = match.path[-1]
+        if node.end > end:
+            if not has_state:
+                return node
+            node = self._node_ending_at(held, end)
+            if node is None:
+                return None
+        missing = {j: self.caches[j].snapshot(node.start) for j, kind in enumerate(self.kinds)
+                   if kind == "state" and not node.data.layers[j]}
+        self._add_layers(node, missing)
+        return node
+
+    def abort(self) -> None:
+        """The request failed while writing: drop the live caches (a half-written cache is never
+        reused) and its captures. Stored nodes are untouched (lazy views copy out first)."""
+        for cache in self.caches:
+            _close_all(cache.take_snapshots())
+            cache.cancel_snapshots()
+            cache.free()
+        self._request = None
+        self.live = array("i")
+        self._relock(None)
+        self._enforce_budgets()
+
+    # ============================================================================================
+    # Trie edits that carry data
+    # ============================================================================================
+    def _node_ending_at(self, held: array, offset: int) -> TrieNode | None:
+        """The node of ``held``'s path that ends exactly at ``offset`` (cut or created; a new
+        node has ``data is None``), or None if a stored node there turned out unreadable."""
+        match = self.trie.match(held[:offset])
+        if match.length == offset:
+            node = match.path[-1]
+            return node if node.end == offset else self._split(node, offset, held)
+        if match.path and match.path[-1].end > match.length:
+            parent = self._split(match.path[-1], match.length, held)
+            if parent is None:
+                return None
+        else:
+            parent = match.path[-1] if match.path else self.trie.root
+        return self.trie.add_child(parent, held[match.length:offset])
+
+    def _split(self, node: TrieNode, at: int, held: array) -> TrieNode | None:
+        """Cut ``node`` at ``at`` (inside ``held``'s path); returns the part ending at ``at``.
+
+        The pinned position (the last live token) always lies before ``at``, so a lock on
+        ``node`` moves to the upper part."""
+        readable = self._load_device(node) is not None
+        if readable:  # span snapshots are cut in two; a state belongs to the lower part's end
+            parts = [(None, None) if snap is None
+                     else self.caches[j].split(snap, at) if self.kinds[j] == "span"
+                     else (None, snap) for j, snap in enumerate(node.data.device)]
+        upper = self.trie.split(node, at)
+        if self._locked is node:
+            self._relock(upper)
+        if not readable:
+            # Its data is gone; the upper part is still in the live caches (it lies in held).
+            self._forget_subtree(node)
+            self._new_data(upper, [c.snapshot(upper.start, at) if k == "span" else None
+                                   for c, k in zip(self.caches, self.kinds)])
+            return upper
+        self._drop_host(node)
+        self._drop_disk(node)
+        self._set_device(node, [b for _, b in parts])
+        self._new_data(upper, [a for a, _ in parts])
+        self._unpersisted.append(node)
+        return upper
+
+    def _new_data(self, node: TrieNode, snaps: list) -> None:
+        node.data = NodeData([s is not None for s in snaps])
+        self._set_device(node, snaps)
+        self._unpersisted.append(node)
+
+    def _add_layers(self, node: TrieNode, snaps: dict[int, object]) -> None:
+        """Give an existing node the state snapshots it lacked (its other copies go stale)."""
+        snaps = {j: s for j, s in snaps.items() if s is not None}
+        if not snaps:
+            return
+        if self._load_device(node) is None:
+            _close_all(snaps.values())
+            return
+        device = list(node.data.device)
+        for j, snap in snaps.items():
+            device[j] = snap
+        self._drop_host(node)
+        self._drop_disk(node)
+        self._set_device(node, device, tuple(s is not None for s in device))
+        self._unpersisted.append(node)
+
+    def _forget_unreadable(self, node: TrieNode) -> None:
+        """A node's data could not be read: forget it and everything below it (what the live
+        caches hold stays valid: they are the truth for ``self.live``)."""
+        self._forget_subtree(node)
+
+    def _forget_subtree(self, node: TrieNode) -> None:
+        for child in list(node.children.values()):
+            self._forget_subtree(child)
+        self._drop_node(node)
+
+    def _drop_node(self, node: TrieNode) -> None:
+        self._clear_data(node)
+        self.trie.remove_leaf(node)
+
+    def _clear_data(self, node: TrieNode) -> None:
+        if node.data is None:
+            return
+        if node.data.on_device:
+            _close_all(node.data.device)
+            self._drop_device(node)
+        self._drop_host(node)
+        self._drop_disk(node)
+
+    # ============================================================================================
+    # Locks: the running request pins the path it restored (begin .. commit)
+    # ============================================================================================
+    def _relock(self, node: TrieNode | None) -> None:
+        if node is not None:
+            self.trie.lock(node)
+        if self._locked is not None and self._locked.parent is not None:
+            self.trie.unlock(self._locked)
+        self._locked = node
+
+    # ============================================================================================
+    # Tier transitions (the only places that change residency and the counters)
+    # ============================================================================================
+    def _set_device(self, node: TrieNode, snaps: list, layers: tuple | None = None) -> None:
+        data = node.data
+        if data.on_device:
+            self._drop_device(node)
+        if layers is not None:
+            data.layers = layers
+        data.device = list(snaps)
+        data.device_bytes = sum(s.nbytes for s in snaps if s is not None)
+        self._bytes["device"] += data.device_bytes
+        self._entries["device"] += 1
+        if any(s is not None and s.is_lazy for s in snaps):
+            self._lazy.add(node)
+
+    def _drop_device(self, node: TrieNode) -> None:
+        """Forget the device copy (the caller closed or handed on its snapshots)."""
+        data = node.data
+        if not data.on_device:
+            return
+        self._bytes["device"] -= data.device_bytes
+        self._entries["device"] -= 1
+        data.device, data.device_bytes = None, 0
+        self._lazy.discard(node)
+
+    def _refresh_lazy(self) -> None:
+        """Lazy views that the live caches copied out since now cost their bytes."""
+        for node in list(self._lazy):
+            data = node.data
+            now = sum(s.nbytes for s in data.device if s is not None)
+            self._bytes["device"] += now - data.device_bytes
+            data.device_bytes = now
+            if not any(s is not None and s.is_lazy for s in data.device):
+                self._lazy.discard(node)
+
+    def _set_host(self, node: TrieNode, records: LayerRecords) -> None:
+        data = node.data
+        self._drop_host(node)
+        data.host, data.host_bytes = records, records_nbytes(records)
+        self._bytes["host"] += data.host_bytes
+        self._entries["host"] += 1
+
+    def _drop_host(self, node: TrieNode) -> None:
+        data = node.data
+        if data is None or not data.on_host:
+            return
+        self._bytes["host"] -= data.host_bytes
+        self._entries["host"] -= 1
+        data.host, data.host_bytes = None, 0
+
+    def _set_disk(self, node: TrieNode, entry: DiskEntry) -> None:
+        self._drop_disk(node, delete=False)
+        node.data.disk = entry
+        self._bytes["disk"] += entry.nbytes
+        self._entries["disk"] += 1
+
+    def _drop_disk(self, node: TrieNode, delete: bool = True) -> None:
+        data = node.data
+        if data is None or not data.on_disk:
+            return
+        if delete and self.disk is not None:
+            self.disk.delete(data.id)
+        self._bytes["disk"] -= data.disk_bytes
+        self._entries["disk"] -= 1
+        data.disk = None
+
+    # -- moves between tiers (built on the transitions) ------------------------------------------
+    def _records(self, node: TrieNode) -> LayerRecords | None:
+        """The node's data as host records, from whichever tier is fastest; None if unreadable."""
+        data = node.data
+        if data.on_host:
+            return data.host
+        if data.on_device:
+            return [None if s is None else self.caches[j].export_snapshot(s)
+                    for j, s in enumerate(data.device)]
+        if data.on_disk and self.disk is not None:
+            return self.disk.read(data.disk, len(self.caches))
+        return None
+
+    def _load_device(self, node: TrieNode) -> str | None:
+        """Make sure the node has a device copy; the tier it came from, None if unreadable."""
+        data = node.data
+        if data.on_device:
+            return "device"
+        source = "host" if data.on_host else "disk"
+        records = self._records(node)
+        if records is None or [r is not None for r in records] != list(data.layers):
+            if source == "disk":
+                self._drop_disk(node)
+            return None
+        self._set_device(node, [None if r is None else self.caches[j].import_snapshot(r)
+                                for j, r in enumerate(records)])
+        return source
+
+    def _write_disk(self, node: TrieNode) -> bool:
+        if self.disk is None or node.data.on_disk:
+            return node.data.on_disk
+        records = self._records(node)
+        if records is None:
+            return False
+        parent = node.parent
+        parent_id = parent.data.id if parent is not None and parent.data is not None else None
+        entry = self.disk.write(node.data.id, parent_id, node.start, node.tokens.tolist(),
+                                records, node.last_used)
+        if entry is None:
+            return False
+        self._set_disk(node, entry)
+        for child in node.children.values():  # children stored before a split name the old id
+            if child.data is not None and child.data.on_disk:
+                self.disk.set_parent(child.data.id, node.data.id)
+        return True
+
+    # ============================================================================================
+    # 4. persistence and budgets
+    # ============================================================================================
+    def persist(self) -> None:
+        """Write nodes created since the last call to disk (parents first)."""
+        pending, self._unpersisted = self._unpersisted, []
+        for node in sorted({id(n): n for n in pending}.values(), key=lambda n: n.start):
+            if node.data is not None and node.parent is not None:
+                self._write_disk(node)
+        self._enforce_budgets()
+
+    def _enforce_budgets(self) -> None:
+        self._refresh_lazy()
+        self._shrink("device", self.budgets.device_bytes, self._evict_device)
+        self._shrink("host", self.budgets.host_bytes, self._evict_host)
+        self._shrink("disk", self.budgets.disk_bytes if self.disk else 0, self._evict_disk)
+
+    def _shrink(self, tier: str, budget: int, evict: Callable[[TrieNode], bool]) -> None:
+        if self._bytes[tier] <= budget:
+            return
+        live = {id(n) for n in self.trie.match(self.live).path}
+        resident = [n for n in self.trie.nodes() if getattr(n.data, f"{tier}_bytes") > 0]
+        # The live conversation's path last, then oldest first, deeper first on ties.
+        resident.sort(key=lambda n: (id(n) in live, n.last_used, -n.start))
+        for node in resident:
+            if self._bytes[tier] <= budget:
+                break
+            if node.parent is not None and evict(node):  # still in the trie, and moved
+                self.evictions[tier] += 1
+
+    def _evict_device(self, node: TrieNode) -> bool:
+        data = node.data
+        if not (data.on_host or data.on_disk):
+            if self.budgets.host_bytes > 0:
+                self._set_host(node, self._records(node))
+            else:
+                self._write_disk(node)
+        if data.on_host or data.on_disk:
+            _close_all(data.device)
+            self._drop_device(node)
+            return True
+        return self._shed(node)
+
+    def _evict_host(self, node: TrieNode) -> bool:
+        data = node.data
+        if not data.on_disk:
+            self._write_disk(node)
+        if data.on_disk or data.on_device:
+            self._drop_host(node)
+            return True
+        return self._shed(node)
+
+    def _evict_disk(self, node: TrieNode) -> bool:
+        data = node.data
+        if data.on_device or data.on_host:
+            self._drop_disk(node)
+            return True
+        return self._shed(node)
+
+    def _shed(self, node: TrieNode) -> bool:
+        """No tier can take the node's only copy: drop it if it is an unlocked leaf; if the
+        live caches hold its tokens, keep it as free views of them (span layers only; its own
+        states are optional restore points); else drop its whole (unlocked) subtree."""
+        if node.locks == 0 and node.is_leaf:
+            self._drop_node(node)
+            return True
+        if node.end <= len(self.live) and self._on_live_path(node):
+            views = [c.snapshot(node.start, node.end) if k == "span" else None
+                     for c, k in zip(self.caches, self.kinds)]
+            self._clear_data(node)
+            self._set_device(node, views, tuple(v is not None for v in views))
+            return True
+        if node.locks == 0:
+            self._forget_subtree(node)
+            return True
+        return False
+
+    def _on_live_path(self, node: TrieNode) -> bool:
+        return self.trie.match(self.live[:node.end]).node_at(node.end - 1) is node
+
+    # ============================================================================================
+    # Restart: rebuild the trie from the disk index
+    # ============================================================================================
+    def _load_disk_index(self, disk: DiskStore) -> None:
+        rows = disk.load_index()
+        by_parent: dict[str | None, list] = {}
+        for row in rows:
+            by_parent.setdefault(row.parent_id, []).append(row)
+        placed = 0
+        stack: list[tuple[TrieNode, str | None]] = [(self.trie.root, None)]
+        clock = 0
+        while stack:
+            parent, parent_id = stack.pop()
+            for row in sorted(by_parent.pop(parent_id, []), key=lambda r: -r.last_used):
+                if (row.start != parent.end or not row.tokens or row.tokens[0] in parent.children
+                        or len(row.layers) != len(self.caches)
+                        or not all(row.layers[j] for j, k in enumerate(self.kinds) if k == "span")):
+                    disk.delete(row.node_id)
+                    continue
+                node = self.trie.add_child(parent, row.tokens)
+                node.data = NodeData(row.layers, row.node_id)
+                node.last_used = row.last_used
+                clock = max(clock, row.last_used)
+                self._set_disk(node, row.entry)
+                placed += 1
+                stack.append((node, row.node_id))
+        for orphans in by_parent.values():  # parents that were never stored or were dropped
+            for row in orphans:
+                disk.delete(row.node_id)
+        self.trie._clock = clock
+        log.info("prefix cache: %d stored nodes loaded from %s", placed, disk.dir)
+
+    # ============================================================================================
+    # Prefetch, clear, stats, checks
+    # ============================================================================================
+    def prefetch(self, prompt: TokenIds, should_stop: Callable[[], bool] = lambda: False) -> int:
+        """Bring the stored part of ``prompt`` onto the device without running the model;
+        returns how many of its tokens are now there."""
+        self._require_idle()
+        prompt = as_ids(prompt)
+        match = self.trie.match(prompt)
+        ready = 0
+        for node in match.path:
+            if should_stop():
+                break
+            if self._load_device(node) is None:
+                self._forget_unreadable(node)
+                break
+            ready = min(node.end, match.length)
+        self._touch([n for n in match.path if n.start < ready])
+        self._enforce_budgets()
+        return ready
+
+    def clear(self) -> None:
+        """Forget every stored prefix (all tiers) and the live caches."""
+        self._require_idle()
+        for cache in self.caches:
+            cache.free()
+        self.live = array("i")
+        for node in list(self.trie.root.children.values()):
+            self._forget_subtree(node)
+        if self.disk is not None:
+            self.disk.clear()
+        self._unpersisted.clear()
+
+    def close(self) -> None:
+        """Write what is pending and release the disk store (its writer lock)."""
+        if self._request is None:
+            self.persist()
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
+
+    def stats(self) -> CacheStats:
+        self._refresh_lazy()
+        budgets = (self.budgets.device_bytes, self.budgets.host_bytes,
+                   self.budgets.disk_bytes if self.disk else 0)
+        tiers = {t: TierStats(self._bytes[t], budget, self._entries[t], self.hits[t],
+                              self.evictions[t]) for t, budget in zip(TIERS, budgets)}
+        return CacheStats(tiers=tiers, nodes=len(self.trie), live_tokens=len(self.live),
+                          live_hits=self.hits["live"],
+                          disk_read_only=self.disk is not None and self.disk.read_only)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant (tests call this after every
+        operation): trie structure, node data per tier, counter identities, the one lock."""
+        self.trie.check()
+        self._refresh_lazy()
+        total = dict.fromkeys(TIERS, 0)
+        count = dict.fromkeys(TIERS, 0)
+        for node in self.trie.nodes():
+            data = node.data
+            assert data is not None, f"{node} has no data"
+            assert data.tiers() >= 1, f"{node} is on no tier"
+            assert len(data.layers) == len(self.caches)
+            for j, kind in enumerate(self.kinds):
+                assert data.layers[j] or kind == "state", f"{node} lacks span layer {j}"
+            if data.on_device:
+                assert [s is not None for s in data.device] == list(data.layers), \
+                    f"{node}: device snapshots do not match its layers"
+                for s in data.device:
+                    if s is not None:
+                        assert s.end == node.end, f"{node}: snapshot ends at {s.end}"
+                for j, s in enumerate(data.device):
+                    if s is not None and self.kinds[j] == "span":
+                        assert s.start == node.start, f"{node}: span snapshot starts {s.start}"
+            if data.on_host:
+                assert [r is not None for r in data.host] == list(data.layers)
+            for tier in TIERS:
+                total[tier] += getattr(data, f"{tier}_bytes")
+                count[tier] += getattr(data, f"on_{tier}")
+        assert total == self._bytes, f"byte counters {self._bytes} != stored {total}"
+        assert count == self._entries, f"entry counters {self._entries} != stored {count}"
+        locked = sum(c.locks for c in self.trie.root.children.values())
+        assert locked == (self._locked is not None), f"{locked} locked paths"
+        assert self._locked is None or self._request is not None, "a lock outlived its request"
+        if self._locked is not None:
+            cached = self._request.cached
+            assert self._locked.start < cached <= self._locked.end, \
+                f"lock {self._locked} vs restored {cached}"
+
+    def within_budgets(self) -> bool:
+        self._refresh_lazy()
+        return (self._bytes["device"] <= self.budgets.device_bytes
+                and self._bytes["host"] <= self.budgets.host_bytes
+                and self._bytes["disk"] <= (self.budgets.disk_bytes if self.disk else 0))
+
+    def _touch(self, nodes: list[TrieNode]) -> None:
+        self.trie.touch(nodes)
+        if self.disk is not None:
+            self.disk.touch([(n.last_used, n.data.id) for n in nodes if n.data.on_disk])
+
+    def _require_request(self) -> _Request:
+        if self._request is None:
+            raise RuntimeError("no request is running: call begin() first")
+        return self._request
+
+    def _require_idle(self) -> None:
+        if self._request is not None:
+            raise RuntimeError("a request is running")
+
+
+def _close_all(snaps) -> None:
+    for snap in snaps:
+        if snap is not None:
+            snap.close()
