@@ -79,3 +79,4 @@ def test_logits_match_transformers_and_mlx_lm(case, tiny_model_dir):
     mlx_lm = _mlx_lm_logits(folder, tokens)
     upto = MLX_LM_VALID_POSITIONS.get(case, SEQ_LEN)
     assert np.abs(full[:, :upto] - mlx_lm[:, :upto]).max() < TOLERANCE
+    assert np.abs(incremental[:, :upto] - mlx_lm[:, :upto]).max() < TOLERANCE

@@ -300,13 +300,22 @@ def test_engine_generates_and_reuses_prefixes(tiny_model_dir, case):
     def engine() -> Engine:
         return Engine(load_model(folder, dtype="float32"), Tokenizer.from_folder(folder), case)
 
-    def ids(e: Engine, prompt: list[int]) -> list[int]:
-        events = list(e.generate(GenerateRequest(prompt_ids=prompt, max_tokens=12)))
-        return events[-1].token_ids
+    def run(e: Engine, prompt: list[int]):
+        return list(e.generate(GenerateRequest(prompt_ids=prompt, max_tokens=12)))[-1]
 
     prompt = [int(t) for t in _tokens(30, seed=8)[0]]
     warm = engine()
-    first = ids(warm, prompt)
-    second = ids(warm, prompt[:20] + [5, 6, 7])  # shares 20 tokens with the live caches
-    assert first == ids(engine(), prompt)
-    assert second == ids(engine(), prompt[:20] + [5, 6, 7])
+    first = run(warm, prompt)
+    assert first.cached_tokens == 0
+    # Continuing: the live caches hold the prompt and every reply token but the last (never
+    # fed back), whatever their kind.
+    follow_up = prompt + first.token_ids + [5, 6]
+    second = run(warm, follow_up)
+    assert second.cached_tokens == len(prompt) + len(first.token_ids) - 1
+    # Branching after 20 tokens: a KV cache rewinds; a Gemma 3 window (8) has wrapped past 20
+    # and a recurrent layer cannot rewind at all, so the engine falls back to a full prefill.
+    branch = prompt[:20] + [5, 6, 7]
+    third = run(warm, branch)
+    assert third.cached_tokens == (20 if case == "qwen3_moe" else 0)
+    for request, done in ((prompt, first), (follow_up, second), (branch, third)):
+        assert done.token_ids == run(engine(), request).token_ids
