@@ -215,12 +215,20 @@ def cmd_models(args: argparse.Namespace) -> int:
             print(f"{m.name:40} {m.architecture:12} {m.quantization or 'float':12} "
                   f"{m.size_bytes / 1e6:9.1f} MB")
     elif args.models_command == "import":
-        def progress(fraction: float, message: str) -> None:
-            sys.stderr.write(f"\r{100 * fraction:5.1f}% {message[:60]:60}")
+        # A progress line only on a terminal, ended before any error: piped stderr gets
+        # nothing but the one-line error.
+        on_terminal = sys.stderr.isatty()
 
-        stored = store.import_path(args.path, name=args.name, quantize=args.quantize,
-                                   progress=progress)
-        sys.stderr.write("\n")
+        def progress(fraction: float, message: str) -> None:
+            if on_terminal:
+                sys.stderr.write(f"\r{100 * fraction:5.1f}% {message[:60]:60}")
+
+        try:
+            stored = store.import_path(args.path, name=args.name, quantize=args.quantize,
+                                       progress=progress)
+        finally:
+            if on_terminal:
+                sys.stderr.write("\n")
         print(f"imported {stored.name} -> {stored.path}")
     elif args.models_command == "rm":
         store.remove(args.name)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import mlx.core as mx
@@ -140,10 +141,12 @@ def write_gguf(
     pre: str = "smollm",
     tokenizer: str = "gpt2",
     extra_tensors: dict[str, np.ndarray] | None = None,
+    metadata: dict[str, Any] | None = None,
 ) -> dict[str, np.ndarray]:
     """Write ``hf`` as llama.cpp would; returns the raw GGUF payload per GGUF name.
 
-    q/k rows are permuted only for ``llama``: llama.cpp's Qwen converters leave them alone."""
+    q/k rows are permuted only for ``llama``: llama.cpp's Qwen converters leave them alone.
+    ``metadata`` replaces key/value fields (``None`` removes one), e.g. to write a damaged file."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(LAYERS)
     writer.add_context_length(512)
@@ -187,6 +190,12 @@ def write_gguf(
         payload[gguf_name] = (raw, kind)
     for name, value in (extra_tensors or {}).items():
         writer.add_tensor(name, value)
+    for key, value in (metadata or {}).items():
+        writer.kv_data[0].pop(key, None)
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif value is not None:
+            writer.add_key_value(key, value, gguf.GGUFValueType.get_type(value))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

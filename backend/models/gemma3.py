@@ -24,10 +24,10 @@ import mlx.nn as nn
 from backend.caches.base import CAUSAL, Cache, sliding_window
 from backend.caches.kv import KVCache
 from backend.caches.rotating import RotatingKVCache
-from backend.errors import ModelLoadError
-from backend.models.base import args_from_config
+from backend.errors import ConfigError
+from backend.models.base import args_from_config, complete_attention_heads, config_mapping, one_of
 from backend.models.decoder import Backbone, DecoderModel
-from backend.models.layers import Attention, AttentionShape, GatedMLP, RMSNorm
+from backend.models.layers import ACTIVATIONS, Attention, AttentionShape, GatedMLP, RMSNorm
 from backend.models.rope import RoPE, RopeSettings, rope_settings
 
 MODEL_TYPES = ("gemma3_text",)
@@ -43,8 +43,8 @@ class ModelArgs:
     intermediate_size: int
     num_attention_heads: int
     vocab_size: int
-    head_dim: int = 256
-    num_key_value_heads: int = 1
+    head_dim: int | None = 256
+    num_key_value_heads: int | None = 1
     rms_norm_eps: float = 1e-6
     query_pre_attn_scalar: float = 256.0
     sliding_window: int = 4096
@@ -53,7 +53,7 @@ class ModelArgs:
     max_position_embeddings: int = 131072
     tie_word_embeddings: bool = True
     attention_bias: bool = False
-    hidden_activation: str = "gelu_pytorch_tanh"
+    hidden_activation: str = field(default="gelu_pytorch_tanh", metadata=one_of(ACTIVATIONS))
     final_logit_softcapping: float | None = None
     global_rope: RopeSettings = field(default_factory=lambda: RopeSettings(1000000.0))
     local_rope: RopeSettings = field(default_factory=lambda: RopeSettings(10000.0))
@@ -61,27 +61,29 @@ class ModelArgs:
     @classmethod
     def from_config(cls, config: dict) -> "ModelArgs":
         if config.get("attn_logit_softcapping") is not None:
-            raise ModelLoadError("Gemma attention logit soft-capping is not supported "
-                                 "(Gemma 3 checkpoints leave attn_logit_softcapping null)")
+            raise ConfigError("Gemma attention logit soft-capping is not supported "
+                              "(Gemma 3 checkpoints leave attn_logit_softcapping null)")
         if config.get("use_bidirectional_attention"):
-            raise ModelLoadError("bidirectional (embedding) Gemma 3 models are not supported")
-        block = config.get("rope_parameters") or {}
+            raise ConfigError("bidirectional (embedding) Gemma 3 models are not supported")
+        block = config_mapping(config, "rope_parameters")
         if FULL in block or SLIDING in block:
-            global_rope = rope_settings({"rope_parameters": block.get(FULL) or {}}, 1000000.0)
-            local_rope = rope_settings({"rope_parameters": block.get(SLIDING) or {}}, 10000.0)
+            global_rope = rope_settings({"rope_parameters": block.get(FULL)}, 1000000.0)
+            local_rope = rope_settings({"rope_parameters": block.get(SLIDING)}, 10000.0)
         else:
             global_rope = rope_settings(config, 1000000.0)
-            local_rope = RopeSettings(float(config.get("rope_local_base_freq", 10000.0)))
+            local_rope = rope_settings(config, 10000.0, theta_key="rope_local_base_freq",
+                                       scaled=False)
         pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
         args = args_from_config(cls, {**config, "sliding_window_pattern": pattern},
                                 global_rope=global_rope, local_rope=local_rope)
+        complete_attention_heads(args)
         if args.layer_types is None:
             args.layer_types = [SLIDING if (i + 1) % args.sliding_window_pattern else FULL
                                 for i in range(args.num_hidden_layers)]
         if len(args.layer_types) != args.num_hidden_layers or not set(args.layer_types) <= {
                 SLIDING, FULL}:
-            raise ModelLoadError(f"layer_types {args.layer_types} does not describe "
-                                 f"{args.num_hidden_layers} sliding/full attention layers")
+            raise ConfigError(f"layer_types {args.layer_types} does not describe "
+                              f"{args.num_hidden_layers} sliding/full attention layers")
         return args
 
 

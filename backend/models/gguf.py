@@ -49,7 +49,9 @@ import mlx.core as mx
 import numpy as np
 
 from backend.errors import ModelLoadError, UnknownArchitectureError
+from backend.models import architecture_args
 from backend.models.gguf_tokenizer import build_tokenizer
+from backend.models.loading import read_checkpoint
 from backend.models.quantize import (
     DEFAULT_GROUP_SIZE,
     SCALE_DTYPE,
@@ -166,10 +168,22 @@ def hf_tensor_name(gguf_name: str) -> str:
     raise KeyError(gguf_name)
 
 
-def _required(metadata: Mapping[str, Any], key: str, path: Path) -> Any:
+def _number(metadata: Mapping[str, Any], key: str, path: Path, kind: type = int,
+            default: float | None = None) -> Any:
+    """The positive ``kind`` (int or float) at ``key``, ``default`` when the key is absent (a
+    required key has none); a ``ModelLoadError`` naming the key otherwise."""
     if key not in metadata:
-        raise ModelLoadError(f"{path}: GGUF metadata lacks {key!r}")
-    return metadata[key]
+        if default is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {key!r}")
+        return default
+    value = metadata[key]
+    accepted = (int, float) if kind is float else int
+    if (not isinstance(value, accepted) or isinstance(value, bool) or not math.isfinite(value)
+            or value <= 0):
+        what = "integer" if kind is int else "number"
+        raise ModelLoadError(f"{path}: GGUF metadata {key} must be a positive {what}, "
+                             f"got {value!r}")
+    return kind(value)
 
 
 def _llama3_rope_scaling(
@@ -203,16 +217,19 @@ def _llama3_rope_scaling(
     }
 
 
-def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> dict[str, Any] | None:
+def _rope_scaling(metadata: Mapping[str, Any], arch: str, path: Path) -> dict[str, Any] | None:
     """HF ``rope_scaling`` for llama.cpp's linear/yarn scaling keys, or ``None``."""
     kind = metadata.get(f"{arch}.rope.scaling.type")
-    factor = metadata.get(f"{arch}.rope.scaling.factor")
-    if kind in (None, "none") or not factor:
+    if kind in (None, "none") or not metadata.get(f"{arch}.rope.scaling.factor"):
         return None
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": float(factor)}
-    original = metadata.get(f"{arch}.rope.scaling.original_context_length")
-    if original:
-        scaling["original_max_position_embeddings"] = int(original)
+    if not isinstance(kind, str):
+        raise ModelLoadError(f"{path}: GGUF metadata {arch}.rope.scaling.type must be a string, "
+                             f"got {kind!r}")
+    factor = _number(metadata, f"{arch}.rope.scaling.factor", path, float)
+    scaling: dict[str, Any] = {"rope_type": kind, "factor": factor}
+    original_key = f"{arch}.rope.scaling.original_context_length"
+    if metadata.get(original_key):
+        scaling["original_max_position_embeddings"] = _number(metadata, original_key, path)
     return scaling
 
 
@@ -221,11 +238,14 @@ def _hf_config(
 ) -> dict[str, Any]:
     """config.json (without ``quantization``) from llama.cpp's metadata keys."""
     spec = _ARCHITECTURES[arch]
-    hidden = int(_required(metadata, f"{arch}.embedding_length", path))
-    heads = int(_required(metadata, f"{arch}.attention.head_count", path))
-    kv_heads = int(metadata.get(f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // heads))
-    rope_dims = int(metadata.get(f"{arch}.rope.dimension_count", head_dim))
+    hidden = _number(metadata, f"{arch}.embedding_length", path)
+    heads = _number(metadata, f"{arch}.attention.head_count", path)
+    kv_heads = _number(metadata, f"{arch}.attention.head_count_kv", path, default=heads)
+    if f"{arch}.attention.key_length" not in metadata and hidden % heads:
+        raise ModelLoadError(f"{path}: GGUF metadata {arch}.embedding_length {hidden} is not a "
+                             f"multiple of {arch}.attention.head_count {heads}")
+    head_dim = _number(metadata, f"{arch}.attention.key_length", path, default=hidden // heads)
+    rope_dims = _number(metadata, f"{arch}.rope.dimension_count", path, default=head_dim)
     if rope_dims != head_dim:
         raise ModelLoadError(
             f"{path}: partial rotary embeddings ({rope_dims} of {head_dim}) are not supported"
@@ -233,30 +253,32 @@ def _hf_config(
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path}: GGUF has no token_embd.weight tensor")
     vocab_size = int(tensors["token_embd.weight"].shape[-1])  # ne order: (hidden, vocab)
-    rope_theta = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
+    rope_theta = _number(metadata, f"{arch}.rope.freq_base", path, float, default=10000.0)
     config: dict[str, Any] = {
         "architectures": [spec.hf_class],
         "model_type": spec.model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(_required(metadata, f"{arch}.feed_forward_length", path)),
-        "num_hidden_layers": int(_required(metadata, f"{arch}.block_count", path)),
+        "intermediate_size": _number(metadata, f"{arch}.feed_forward_length", path),
+        "num_hidden_layers": _number(metadata, f"{arch}.block_count", path),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": float(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rms_norm_eps": _number(
+            metadata, f"{arch}.attention.layer_norm_rms_epsilon", path, float, default=1e-6
+        ),
         "rope_theta": rope_theta,
-        "max_position_embeddings": int(metadata.get(f"{arch}.context_length", 4096)),
+        "max_position_embeddings": _number(metadata, f"{arch}.context_length", path, default=4096),
         "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         **spec.extra_config,
     }
-    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id")):
-        value = metadata.get(f"tokenizer.ggml.{key}")
+    for name in ("bos_token_id", "eos_token_id"):
+        value = metadata.get(f"tokenizer.ggml.{name}")  # type-checked by check_vocabulary
         if value is not None:
-            config[name] = int(value)
-    scaling = _rope_scaling(metadata, arch)
+            config[name] = value
+    scaling = _rope_scaling(metadata, arch, path)
     if "rope_freqs.weight" in tensors:
         factors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float64).reshape(-1)
         scaling = _llama3_rope_scaling(factors, rope_theta, head_dim, path)
@@ -350,6 +372,9 @@ def _convert_tensor(tensor: Any, hf_name: str, quantize: int | None, path: Path)
     kind = tensor.tensor_type
     types = gguf.GGMLQuantizationType
     hf_shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if kind in (types.Q4_0, types.Q4_1, types.Q8_0) and len(hf_shape) != 2:
+        raise ModelLoadError(f"{path}: tensor {tensor.name} is {kind.name} but not a matrix "
+                             f"(shape {list(hf_shape)})")
     if kind == types.Q4_0:
         repacked, spec = _repack_q4(tensor, with_min=False), _Q4_SPEC
     elif kind == types.Q4_1:
@@ -419,13 +444,14 @@ def import_gguf(
     reader = _open_reader(path)
     metadata = _read_metadata(reader, path)
     arch = metadata.get("general.architecture")
-    if arch not in _ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in _ARCHITECTURES:
         raise UnknownArchitectureError(
             f"{path}: unsupported GGUF architecture {arch!r} "
             f"(supported: {', '.join(sorted(_ARCHITECTURES))})"
         )
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     config = _hf_config(metadata, arch, tensors, path)
+    architecture_args(config, path)  # the checks every config passes, before any conversion
     tokenizer_files = build_tokenizer(metadata, path)
 
     permute_heads = {}
@@ -448,8 +474,12 @@ def import_gguf(
         converted = _convert_tensor(tensor, hf_name, quantize, path)
         gguf_leaf = tensor.name.split(".")[-2]
         if gguf_leaf in permute_heads:
-            rows = unpermute_qk_rows(int(tensor.shape[-1]), permute_heads[gguf_leaf])
-            order = mx.array(rows)
+            rows, heads = int(tensor.shape[-1]), permute_heads[gguf_leaf]
+            if len(tensor.shape) != 2 or rows % (2 * heads):
+                raise ModelLoadError(f"{path}: tensor {tensor.name} has shape "
+                                     f"{list(tensor.shape)}, which does not split into {heads} "
+                                     "heads")
+            order = mx.array(unpermute_qk_rows(rows, heads))
             converted.arrays = {key: value[order] for key, value in converted.arrays.items()}
         prefix = (
             module_of(hf_name) if hf_name.endswith(".weight") else hf_name.removesuffix(".bias")
@@ -478,6 +508,8 @@ def import_gguf(
     if "bos_token_id" in config:
         generation["bos_token_id"] = config["bos_token_id"]
     _write_json(dest / "generation_config.json", generation)
+    # The converted folder must load: weights against config, as every load checks them.
+    read_checkpoint(dest, source=path)
     report(1.0, f"imported {path.name}")
     return dest
 

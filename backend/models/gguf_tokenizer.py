@@ -11,7 +11,7 @@ than a guess. No MLX: plain Python over the metadata dict.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -279,6 +279,49 @@ def _sentencepiece_bpe(
 _TOKENIZER_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
 
 
+#: ``tokenizer.*`` keys the conversion reads, and what each must hold when present.
+_VOCABULARY_KEYS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "tokenizer.ggml.model": ("a string", lambda v: isinstance(v, str)),
+    "tokenizer.ggml.pre": ("a string", lambda v: isinstance(v, str)),
+    "tokenizer.ggml.tokens": ("a list of strings", lambda v: _list_of(v, str)),
+    "tokenizer.ggml.token_type": ("a list of integers", lambda v: _list_of(v, int)),
+    "tokenizer.ggml.merges": ("a list of strings", lambda v: _list_of(v, str)),
+    "tokenizer.ggml.scores": ("a list of numbers", lambda v: _list_of(v, (int, float))),
+    "tokenizer.chat_template": ("a string", lambda v: isinstance(v, str)),
+    **{
+        f"tokenizer.ggml.{name}_token_id": ("a token id", lambda v: _list_of([v], int))
+        for name in ("bos", "eos", "unknown", "padding", "eot", "eom")
+    },
+    **{
+        f"tokenizer.ggml.{name}": ("true or false", lambda v: isinstance(v, bool))
+        for name in ("add_bos_token", "add_eos_token", "add_space_prefix")
+    },
+}
+
+
+def _list_of(value: Any, kind: type | tuple[type, ...]) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(v, kind) and not isinstance(v, bool) for v in value
+    )
+
+
+def check_vocabulary(metadata: Mapping[str, Any], path: Path) -> None:
+    """The GGUF holds a vocabulary, and every ``tokenizer.*`` value the conversion reads has its
+    type (per-token lists one entry per token); ``ModelLoadError`` naming the key otherwise."""
+    if "tokenizer.ggml.tokens" not in metadata:
+        raise ModelLoadError(f"{path}: GGUF has no tokenizer vocabulary")
+    for key, (what, valid) in _VOCABULARY_KEYS.items():
+        if key in metadata and not valid(metadata[key]):
+            value = repr(metadata[key])
+            value = value if len(value) <= 40 else value[:40] + "..."
+            raise ModelLoadError(f"{path}: GGUF metadata {key} must be {what}, got {value}")
+    count = len(metadata["tokenizer.ggml.tokens"])
+    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+        if key in metadata and len(metadata[key]) != count:
+            raise ModelLoadError(f"{path}: GGUF metadata {key} has {len(metadata[key])} "
+                                 f"entries for {count} tokens")
+
+
 def build_tokenizer(metadata: Mapping[str, Any], path: Path) -> TokenizerFiles:
     """tokenizer.json / tokenizer_config.json contents from a GGUF's ``tokenizer.*`` metadata.
 
@@ -287,9 +330,8 @@ def build_tokenizer(metadata: Mapping[str, Any], path: Path) -> TokenizerFiles:
     """
     from tokenizers import Tokenizer
 
+    check_vocabulary(metadata, path)
     kind = metadata.get("tokenizer.ggml.model")
-    if "tokenizer.ggml.tokens" not in metadata:
-        raise ModelLoadError(f"{path}: GGUF has no tokenizer vocabulary")
     if kind not in _TOKENIZER_BUILDERS:
         raise ModelLoadError(
             f"{path}: unsupported tokenizer type {kind!r} "

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 from backend.caches.base import CAUSAL, Cache, sliding_window
 from backend.caches.kv import KVCache
-from backend.models.base import args_from_config
+from backend.models.base import args_from_config, complete_attention_heads, one_of
 from backend.models.decoder import Backbone, DecoderModel, PreNormDecoderLayer
-from backend.models.layers import Attention, AttentionShape, GatedMLP, RMSNorm
+from backend.models.layers import ACTIVATIONS, Attention, AttentionShape, GatedMLP, RMSNorm
 from backend.models.rope import RoPE, RopeSettings, rope_settings
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -34,7 +34,7 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
-    hidden_act: str = "silu"
+    hidden_act: str = field(default="silu", metadata=one_of(ACTIVATIONS))
     sliding_window: int | None = None
     use_sliding_window: bool = True
     rope: RopeSettings = field(default_factory=lambda: RopeSettings(10000.0))
@@ -43,10 +43,7 @@ class ModelArgs:
     def from_config(cls, config: dict) -> "ModelArgs":
         theta_default = 1000000.0 if config.get("model_type", "").startswith("qwen") else 10000.0
         args = args_from_config(cls, config, rope=rope_settings(config, theta_default))
-        if args.num_key_value_heads is None:
-            args.num_key_value_heads = args.num_attention_heads
-        if args.head_dim is None:
-            args.head_dim = args.hidden_size // args.num_attention_heads
+        complete_attention_heads(args)
         if args.model_type == "qwen2":
             args.attention_bias = True  # Qwen2 always has q/k/v biases
             if not config.get("use_sliding_window", False):

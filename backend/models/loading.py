@@ -24,22 +24,29 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from backend import kernels
-from backend.errors import ModelLoadError, UnknownArchitectureError
-from backend.models import ARCHITECTURES
+from backend.errors import CheckpointError, ConfigError, ModelLoadError
+from backend.models import architecture_args
+from backend.models.base import LanguageModel
 from backend.models.cpu_linear import use_cpu_kernels
 from backend.models.files import check_safetensors, read_config, weight_files
+from backend.models.moe import SwitchLinear
+from backend.models.quantize import QuantSpec, read_quantization, spec_for
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+#: Module kinds ``nn.quantize`` turns into quantized ones (what a ``.scales`` tensor may serve).
+_QUANTIZABLE = (nn.Linear, nn.Embedding, SwitchLinear)
+
+Quantization = tuple[QuantSpec | None, dict[str, QuantSpec | None]]  # read_quantization's
 
 
 @dataclass
 class LoadedModel:
-    model: nn.Module
+    model: LanguageModel
     config: dict
     folder: Path
     dtype: mx.Dtype
-    quantization: dict | None  # as in config, when the weights stay quantized
-    source_quantization: dict | None  # what the checkpoint had
+    quantization: dict | None  # the config block, when the weights stay quantized
 
     @property
     def parameter_bytes(self) -> int:
@@ -53,14 +60,15 @@ def default_dtype(config: dict) -> mx.Dtype:
     return mx.float16 if source == "float16" else mx.bfloat16
 
 
-def _dequantize_all(weights: dict[str, mx.array], quant: dict, dtype: mx.Dtype) -> dict:
+def _dequantize_all(weights: dict[str, mx.array], quant: Quantization,
+                    dtype: mx.Dtype) -> dict:
     out = dict(weights)
     for key in [k for k in weights if k.endswith(".scales")]:
         prefix = key[: -len(".scales")]
-        spec = quant.get(prefix, quant)
+        spec = spec_for(prefix, *quant)
         w = mx.dequantize(weights[prefix + ".weight"], weights[key].astype(mx.float32),
                           weights[prefix + ".biases"].astype(mx.float32),
-                          spec.get("group_size", 64), spec.get("bits", 4))
+                          spec.group_size, spec.bits)
         out[prefix + ".weight"] = w.astype(dtype)
         del out[key], out[prefix + ".biases"]
     return out
@@ -102,6 +110,99 @@ def _cast_weights(weights: dict[str, mx.array], compute: mx.Dtype, quantized: bo
     return out
 
 
+def read_checkpoint(folder: Path, source: Path | None = None
+                    ) -> tuple[dict, LanguageModel, dict[str, mx.array], Quantization]:
+    """Config, model (not yet loaded) and sanitized weights of ``folder``, checked against each
+    other; nothing is evaluated, so this is cheap enough to vet a folder before importing it.
+
+    Every fault is a one-line ``ModelLoadError`` naming ``source`` (default: the folder): a bad
+    config value (``ConfigError``), a weight that is missing, unexpected, misshapen or of the
+    wrong kind (``CheckpointError``), an unreadable file.
+    """
+    config_source = folder / "config.json" if source is None else source
+    source = source or folder
+    config = read_config(folder)
+    module, args = architecture_args(config, config_source)
+    try:
+        quant = read_quantization(config)
+    except ConfigError as exc:
+        raise ConfigError(f"{config_source}: {exc}") from None
+    weights: dict[str, mx.array] = {}
+    for path in weight_files(folder):
+        check_safetensors(path)
+        try:
+            weights.update(mx.load(str(path)))
+        except Exception as exc:  # MLX raises plain RuntimeError/ValueError for bad files
+            raise ModelLoadError(f"{path}: unreadable safetensors ({exc})") from None
+    model = module.Model(args)
+    try:
+        weights = model.sanitize(weights)
+        check_weights(model, weights, quant)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{source}: {exc}") from None
+    return config, model, weights, quant
+
+
+def check_weights(model: LanguageModel, weights: dict[str, mx.array],
+                  quant: Quantization) -> None:
+    """Every parameter of the (unquantized) module tree is in ``weights`` with the shape and
+    kind it needs, and nothing else is; ``CheckpointError`` naming the tensor otherwise.
+
+    A module with ``<module>.scales`` in ``weights`` is quantized with its spec from ``quant``:
+    packed uint32 ``weight`` and floating ``scales`` / ``biases`` of the shapes that spec gives.
+    Checked before any array op, so no op can fail on a misshapen tensor later.
+    """
+    parameters = dict(tree_flatten(model.parameters()))
+    modules = dict(tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
+    needed: dict[str, tuple[tuple[int, ...], bool]] = {}  # name -> (shape, packed codes?)
+    for name, param in parameters.items():
+        module = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and f"{module}.scales" in weights):
+            needed[name] = (tuple(param.shape), False)
+            continue
+        spec = spec_for(module, *quant)
+        if spec is None:
+            raise CheckpointError(f"{module} is quantized ({module}.scales) but config.json "
+                                  "gives no quantization for it")
+        if not isinstance(modules.get(module), _QUANTIZABLE):
+            raise CheckpointError(f"{module}.scales: {module} is not a layer that can be "
+                                  "quantized")
+        *lead, inputs = param.shape
+        if inputs % spec.group_size:
+            raise CheckpointError(f"{name}: {inputs} inputs do not split into groups of "
+                                  f"{spec.group_size}")
+        needed[name] = ((*lead, inputs * spec.bits // 32), True)
+        groups = (*lead, inputs // spec.group_size)
+        needed[f"{module}.scales"] = needed[f"{module}.biases"] = (groups, False)
+    missing = [n for n in needed if n not in weights]
+    if missing:
+        raise CheckpointError(f"missing tensors {_names(missing)}")
+    unexpected = [n for n in weights if n not in needed]
+    if unexpected:
+        raise CheckpointError(f"unexpected tensors {_names(unexpected)} (not used by "
+                              f"model_type {model.args.model_type!r})")
+    for name, (shape, packed) in needed.items():
+        value = weights[name]
+        if tuple(value.shape) != shape:
+            raise CheckpointError(f"tensor {name} has shape {list(value.shape)}, the config "
+                                  f"needs {list(shape)}")
+        if packed and value.dtype != mx.uint32:
+            raise CheckpointError(f"tensor {name} has dtype {_dtype_name(value)}, quantized "
+                                  "weights are packed uint32")
+        if not packed and not mx.issubdtype(value.dtype, mx.floating):
+            raise CheckpointError(f"tensor {name} has dtype {_dtype_name(value)}, expected "
+                                  "a floating-point type")
+
+
+def _names(names: list[str]) -> str:
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(sorted(names)[:3]) + more
+
+
+def _dtype_name(value: mx.array) -> str:
+    return str(value.dtype).removeprefix("mlx.core.")
+
+
 def load_model(folder: str | Path, dtype: str | None = None,
                cpu_kernels: bool | None = None) -> LoadedModel:
     """Load ``folder``; every user-caused failure is a one-line ``ModelLoadError``.
@@ -112,55 +213,30 @@ def load_model(folder: str | Path, dtype: str | None = None,
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelLoadError(f"{folder}: not a model folder")
-    config = read_config(folder)
-    model_type = config.get("model_type")
-    module = ARCHITECTURES.get(model_type)
-    if module is None:
-        raise UnknownArchitectureError(
-            f"{folder}: unknown architecture model_type={model_type!r} "
-            f"(supported: {', '.join(sorted(ARCHITECTURES))})")
-    try:
-        args = module.ModelArgs.from_config(config)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise ModelLoadError(f"{folder}/config.json: invalid value ({exc})") from None
     if dtype is not None and dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    config, model, weights, quant = read_checkpoint(folder)
     compute = DTYPES[dtype] if dtype else default_dtype(config)
-
-    weights: dict[str, mx.array] = {}
-    for path in weight_files(folder):
-        check_safetensors(path)
-        try:
-            weights.update(mx.load(str(path)))
-        except Exception as exc:  # MLX raises plain RuntimeError/ValueError for bad files
-            raise ModelLoadError(f"{path}: unreadable safetensors ({exc})") from None
-
-    model = module.Model(args)
-    weights = model.sanitize(weights)
-    source_quant = config.get("quantization") or config.get("quantization_config")
-    quant = source_quant if any(k.endswith(".scales") for k in weights) else None
+    quantized = any(k.endswith(".scales") for k in weights)
     # With the native kernels, quantized weights stay quantized on the CPU (decode streams
     # fewer bytes); without them, dequantizing to float32 is the fastest CPU path.
     if cpu_kernels is None or cpu_kernels:
         cpu_kernels = (mx.default_device() == mx.cpu and compute == mx.float32
                        and kernels.available())
-    if quant is not None and not cpu_kernels and _should_dequantize(weights):
+    if quantized and not cpu_kernels and _should_dequantize(weights):
         weights = _dequantize_all(weights, quant, compute)
-        quant = None
-    if quant is not None:
-        def quantized(path: str, module_: nn.Module) -> bool | dict:
+        quantized = False
+    if quantized:
+        def quantized_layer(path: str, module_: nn.Module) -> bool | dict:
             if f"{path}.scales" not in weights:
                 return False
-            spec = quant.get(path, quant)
-            return {"group_size": spec.get("group_size", 64), "bits": spec.get("bits", 4)}
-        nn.quantize(model, class_predicate=quantized)
+            return spec_for(path, *quant).as_config()
+        nn.quantize(model, class_predicate=quantized_layer)
     keep = _kernel_weights(model) if cpu_kernels else set()
-    weights = _cast_weights(weights, compute, quantized=quant is not None, keep_16bit=keep)
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as exc:
-        raise ModelLoadError(f"{folder}: weights do not match the config ({str(exc)[:300]})") from None
+    weights = _cast_weights(weights, compute, quantized=quantized, keep_16bit=keep)
+    model.load_weights(list(weights.items()), strict=True)  # check_weights vetted every name
     mx.eval(model.parameters())
     if cpu_kernels:
         use_cpu_kernels(model)
-    return LoadedModel(model, config, folder, compute, quant, source_quant)
+    block = config.get("quantization") or config.get("quantization_config")
+    return LoadedModel(model, config, folder, compute, block if quantized else None)

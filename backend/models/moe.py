@@ -27,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from backend.errors import CheckpointError, ConfigError
 from backend.models.layers import ACTIVATIONS, GatedMLP
 
 #: Token-expert pairs (per expert, on average) from which a write runs each expert as one
@@ -158,25 +159,47 @@ def stack_experts(weights: dict[str, mx.array], prefix: str, experts: int,
                   source: str = "experts", target: str = "switch_mlp") -> dict[str, mx.array]:
     """Stack ``{prefix}.{source}.{e}.{proj}.{weight,scales,biases}`` into
     ``{prefix}.{target}.{proj}.*`` and split a fused ``{source}.gate_up_proj`` ``(E, 2I, D)``
-    (transformers' in-memory layout) into gate and up. Other names pass through."""
+    (transformers' in-memory layout) into gate and up. Other names pass through.
+
+    A checkpoint with some experts of a projection but not all, or with experts of different
+    shapes, is a ``CheckpointError`` naming the tensors."""
     out = dict(weights)
     for proj in ("gate_proj", "up_proj", "down_proj"):
         for suffix in ("weight", "scales", "biases"):
             names = [f"{prefix}.{source}.{e}.{proj}.{suffix}" for e in range(experts)]
-            if names[0] not in out:
-                continue
             missing = [n for n in names if n not in out]
+            if len(missing) == len(names):
+                continue
             if missing:
-                raise ValueError(f"expert tensors missing: {missing[:3]}")
+                more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+                raise CheckpointError(f"missing expert tensors {', '.join(missing[:3])}{more}")
+            shapes = {tuple(out[n].shape) for n in names}
+            if len(shapes) > 1:
+                odd = next(n for n in names if out[n].shape != out[names[0]].shape)
+                raise CheckpointError(f"tensor {odd} has shape {list(out[odd].shape)}, other "
+                                      f"experts have {list(out[names[0]].shape)}")
             out[f"{prefix}.{target}.{proj}.{suffix}"] = mx.stack([out.pop(n) for n in names])
     fused = f"{prefix}.{source}.gate_up_proj"
     if fused in out:
         gate_up = out.pop(fused)  # (E, 2I, D)
+        down = f"{prefix}.{source}.down_proj"
+        if gate_up.ndim != 3 or gate_up.shape[1] % 2:
+            raise CheckpointError(f"tensor {fused} has shape {list(gate_up.shape)}, "
+                                  "expected (experts, 2 * intermediate, hidden)")
+        if down not in out:
+            raise CheckpointError(f"missing expert tensor {down}")
         half = gate_up.shape[1] // 2
         out[f"{prefix}.{target}.gate_proj.weight"] = gate_up[:, :half]
         out[f"{prefix}.{target}.up_proj.weight"] = gate_up[:, half:]
-        out[f"{prefix}.{target}.down_proj.weight"] = out.pop(f"{prefix}.{source}.down_proj")
+        out[f"{prefix}.{target}.down_proj.weight"] = out.pop(down)
     return out
+
+
+def check_routing(num_experts: int, num_experts_per_tok: int) -> None:
+    """A router must pick among the experts there are (``ConfigError`` otherwise)."""
+    if num_experts_per_tok > num_experts:
+        raise ConfigError(f"num_experts_per_tok {num_experts_per_tok} is more than "
+                          f"num_experts {num_experts}")
 
 
 def is_sparse_layer(layer: int, mlp_only_layers: list[int], num_experts: int,

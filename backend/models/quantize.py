@@ -30,6 +30,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from backend.errors import ConfigError
+
 #: dtype of ``.scales`` / ``.biases`` written by Arbor (see module docstring for why).
 SCALE_DTYPE = mx.float32
 
@@ -110,26 +112,56 @@ def quantization_block(layers: Mapping[str, QuantSpec | None]) -> dict[str, Any]
     return block
 
 
+#: Group sizes MLX's affine quantization supports.
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+
+
 def read_quantization(
     config: Mapping[str, Any],
 ) -> tuple[QuantSpec | None, dict[str, QuantSpec | None]]:
-    """Parse ``config["quantization"]`` into ``(default spec, {module: override or None})``.
+    """Parse the config's MLX quantization block into ``(default spec, {module: override or
+    None})``: ``"quantization"``, or a ``"quantization_config"`` in the same layout (not another
+    library's, which names a ``quant_method``).
 
-    A config without the block gives ``(None, {})``. Unknown scalar keys (``"mode"``) are ignored.
+    A config without such a block gives ``(None, {})``. Scalar keys other than ``group_size`` /
+    ``bits`` / ``mode`` are ignored. A block with bits or a group size MLX cannot run, or a
+    quantization mode other than affine, is a ``ConfigError`` naming the key.
     """
     block = config.get("quantization")
-    if not isinstance(block, Mapping):
+    if block is None:
+        fallback = config.get("quantization_config")
+        if isinstance(fallback, Mapping) and "quant_method" not in fallback:
+            block = fallback
+    if block is None:
         return None, {}
-    default = None
-    if "group_size" in block and "bits" in block:
-        default = QuantSpec(int(block["group_size"]), int(block["bits"]))
+    if not isinstance(block, Mapping):
+        raise ConfigError(f"quantization must be a JSON object, got {block!r}")
+    if block.get("mode", "affine") != "affine":
+        raise ConfigError(f"unsupported quantization mode {block['mode']!r} (supported: affine)")
+    default = _spec("quantization", block) if "group_size" in block or "bits" in block else None
     overrides: dict[str, QuantSpec | None] = {}
     for key, value in block.items():
         if value is False:
             overrides[key] = None
-        elif isinstance(value, Mapping) and "group_size" in value and "bits" in value:
-            overrides[key] = QuantSpec(int(value["group_size"]), int(value["bits"]))
+        elif isinstance(value, Mapping):
+            overrides[key] = _spec(f"quantization.{key}", value)
     return default, overrides
+
+
+def _spec(where: str, block: Mapping[str, Any]) -> QuantSpec:
+    group, bits = block.get("group_size"), block.get("bits")
+    if group not in SUPPORTED_GROUP_SIZES or isinstance(group, bool):
+        raise ConfigError(f"{where}.group_size must be one of {SUPPORTED_GROUP_SIZES}, "
+                          f"got {group!r}")
+    if bits not in SUPPORTED_BITS or isinstance(bits, bool):
+        raise ConfigError(f"{where}.bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+    return QuantSpec(int(group), int(bits))
+
+
+def spec_for(module: str, default: QuantSpec | None,
+             overrides: Mapping[str, QuantSpec | None]) -> QuantSpec | None:
+    """The spec of ``module``: its override if it has one, else the default."""
+    return overrides[module] if module in overrides else default
 
 
 def describe_quantization(config: Mapping[str, Any]) -> str | None:

@@ -14,11 +14,11 @@ import mlx.core as mx
 
 from backend.caches.base import Cache
 from backend.caches.kv import KVCache
-from backend.errors import ModelLoadError
-from backend.models.base import args_from_config
+from backend.errors import ConfigError
+from backend.models.base import args_from_config, complete_attention_heads, one_of
 from backend.models.decoder import Backbone, DecoderModel, PreNormDecoderLayer
-from backend.models.layers import Attention, AttentionShape, GatedMLP, RMSNorm
-from backend.models.moe import SparseMoE, is_sparse_layer, stack_experts
+from backend.models.layers import ACTIVATIONS, Attention, AttentionShape, GatedMLP, RMSNorm
+from backend.models.moe import SparseMoE, check_routing, is_sparse_layer, stack_experts
 from backend.models.rope import RoPE, RopeSettings, rope_settings
 
 MODEL_TYPES = ("qwen3_moe",)
@@ -44,20 +44,18 @@ class ModelArgs:
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    hidden_act: str = "silu"
+    hidden_act: str = field(default="silu", metadata=one_of(ACTIVATIONS))
     rope: RopeSettings = field(default_factory=lambda: RopeSettings(1000000.0))
 
     @classmethod
     def from_config(cls, config: dict) -> "ModelArgs":
         if config.get("use_sliding_window"):
-            raise ModelLoadError("Qwen3-MoE with use_sliding_window is not supported")
+            raise ConfigError("Qwen3-MoE with use_sliding_window is not supported")
         experts = config.get("num_experts", config.get("num_local_experts"))
         args = args_from_config(cls, {**config, "num_experts": experts},
                                 rope=rope_settings(config, 1000000.0))
-        if args.num_key_value_heads is None:
-            args.num_key_value_heads = args.num_attention_heads
-        if args.head_dim is None:
-            args.head_dim = args.hidden_size // args.num_attention_heads
+        complete_attention_heads(args)
+        check_routing(args.num_experts, args.num_experts_per_tok)
         return args
 
     def is_sparse(self, layer: int) -> bool:

@@ -29,11 +29,17 @@ from backend.caches.base import Cache
 from backend.caches.kv import KVCache
 from backend.caches.recurrent import RecurrentCache
 from backend.caches.scan import causal_conv1d, gated_delta, parallel_groups, run_on_streams
-from backend.errors import ModelLoadError
-from backend.models.base import args_from_config
+from backend.errors import CheckpointError, ConfigError
+from backend.models.base import (
+    ZERO_ALLOWED,
+    args_from_config,
+    complete_attention_heads,
+    config_mapping,
+    one_of,
+)
 from backend.models.decoder import Backbone, DecoderModel
-from backend.models.layers import Attention, AttentionShape, GatedMLP, RMSNorm
-from backend.models.moe import SparseMoE, is_sparse_layer, stack_experts
+from backend.models.layers import ACTIVATIONS, Attention, AttentionShape, GatedMLP, RMSNorm
+from backend.models.moe import SparseMoE, check_routing, is_sparse_layer, stack_experts
 from backend.models.rope import RoPE, RopeSettings, rope_settings
 
 MODEL_TYPES = ("qwen3_next",)
@@ -61,11 +67,11 @@ class ModelArgs:
     linear_conv_kernel_dim: int = 4
     head_dim: int | None = None
     rms_norm_eps: float = 1e-6
-    num_experts: int = 0
+    num_experts: int = field(default=0, metadata=ZERO_ALLOWED)  # 0: dense MLPs only
     num_experts_per_tok: int = 1
     decoder_sparse_step: int = 1
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int | None = None
+    moe_intermediate_size: int = field(default=0, metadata=ZERO_ALLOWED)
+    shared_expert_intermediate_size: int | None = field(default=None, metadata=ZERO_ALLOWED)
     mlp_only_layers: list[int] = field(default_factory=list)
     norm_topk_prob: bool = True
     full_attention_interval: int = 4
@@ -74,28 +80,36 @@ class ModelArgs:
     max_position_embeddings: int = 32768
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    hidden_act: str = "silu"
+    hidden_act: str = field(default="silu", metadata=one_of(ACTIVATIONS))
     rope: RopeSettings = field(default_factory=lambda: RopeSettings(10000.0))
 
     @classmethod
     def from_config(cls, config: dict) -> "ModelArgs":
-        block = config.get("rope_parameters") or {}
+        block = config_mapping(config, "rope_parameters")
         factor = config.get("partial_rotary_factor", block.get("partial_rotary_factor", 0.25))
         args = args_from_config(cls, config, rope=rope_settings(config, 10000.0),
-                                partial_rotary_factor=float(factor))
-        if args.head_dim is None:
-            args.head_dim = args.hidden_size // args.num_attention_heads
+                                partial_rotary_factor=factor)
+        complete_attention_heads(args)
+        rotary = args.head_dim * args.partial_rotary_factor
+        if args.partial_rotary_factor > 1 or int(rotary) < 2 or int(rotary) % 2:
+            raise ConfigError(f"partial_rotary_factor {args.partial_rotary_factor} of head_dim "
+                              f"{args.head_dim} does not give an even number of rotary dims")
         if args.layer_types is None:
             args.layer_types = [FULL if (i + 1) % args.full_attention_interval == 0 else LINEAR
                                 for i in range(args.num_hidden_layers)]
         if len(args.layer_types) != args.num_hidden_layers or not set(args.layer_types) <= {
                 LINEAR, FULL}:
-            raise ModelLoadError(f"layer_types {args.layer_types} does not describe "
-                                 f"{args.num_hidden_layers} linear/full attention layers")
+            raise ConfigError(f"layer_types {args.layer_types} does not describe "
+                              f"{args.num_hidden_layers} linear/full attention layers")
         if args.linear_num_value_heads % args.linear_num_key_heads:
-            raise ModelLoadError(
+            raise ConfigError(
                 f"linear_num_value_heads {args.linear_num_value_heads} is not a multiple of "
                 f"linear_num_key_heads {args.linear_num_key_heads}")
+        if args.num_experts:
+            check_routing(args.num_experts, args.num_experts_per_tok)
+            if not args.moe_intermediate_size:
+                raise ConfigError("moe_intermediate_size must be a positive integer when "
+                                  f"num_experts is {args.num_experts}")
         return args
 
     def is_sparse(self, layer: int) -> bool:
@@ -275,13 +289,17 @@ class Model(DecoderModel):
         for key in list(weights):
             # Output rows (and their quantization scales/biases, which are per row) reorder.
             if ".linear_attn.in_proj_qkvz." in key:
-                weights[key] = weights[key][qkvz_rows]
+                weights[key] = _reorder_rows(key, weights[key], qkvz_rows)
             elif ".linear_attn.in_proj_ba." in key:
-                weights[key] = weights[key][ba_rows]
+                weights[key] = _reorder_rows(key, weights[key], ba_rows)
         for i in range(self.args.num_hidden_layers):
             if self.args.is_sparse(i):
                 weights = stack_experts(weights, f"model.layers.{i}.mlp", self.args.num_experts)
         convs = [k for k in weights if k.endswith("linear_attn.conv1d.weight")]
+        for key in convs:
+            if weights[key].ndim != 3:
+                raise CheckpointError(f"tensor {key} has shape {list(weights[key].shape)}, "
+                                      "expected a depthwise conv kernel (C, 1, K) or (C, K, 1)")
         mlx_lm_layout = any(weights[k].shape[-1] == 1 for k in convs)
         for key in convs:
             if weights[key].shape[-1] != 1:  # Hugging Face (C, 1, K) -> (C, K, 1)
@@ -290,3 +308,12 @@ class Model(DecoderModel):
             for key in [k for k in weights if k.endswith(_OFFSET_NORMS)]:
                 weights[key] = weights[key] - 1.0
         return weights
+
+
+def _reorder_rows(name: str, tensor: mx.array, rows: mx.array) -> mx.array:
+    """``tensor[rows]``, after checking the row count: a gather would not notice a tensor with
+    fewer rows than the config implies (it would read out of range instead)."""
+    if tensor.ndim != 2 or tensor.shape[0] != rows.size:
+        raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)}, the config "
+                              f"needs {rows.size} rows")
+    return tensor[rows]

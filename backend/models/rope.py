@@ -10,12 +10,15 @@ them as ``freqs`` (MLX takes per-pair *periods*, 1 / inv_freq).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from backend.errors import ModelLoadError
+from backend.errors import ConfigError
+from backend.models.base import config_mapping, is_number
 
 
 @dataclass(frozen=True)
@@ -25,21 +28,40 @@ class RopeSettings:
     params: dict = field(default_factory=dict)
 
 
-def rope_settings(config: dict, default_theta: float = 10000.0,
-                  theta_key: str = "rope_theta") -> RopeSettings:
-    """Read RoPE settings from a config dict, old or new layout."""
-    block = config.get("rope_parameters") or {}
+#: Parameters each scaling kind needs, and the numeric ones it may take (all must be > 0).
+_REQUIRED = {"default": (), "linear": ("factor",), "llama3": ("factor",), "yarn": ("factor",)}
+_POSITIVE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+             "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
+
+
+def rope_settings(config: Mapping[str, Any], default_theta: float = 10000.0,
+                  theta_key: str = "rope_theta", scaled: bool = True) -> RopeSettings:
+    """Read RoPE settings from a config dict, old or new layout (``scaled=False``: the base
+    only, for layers that never scale). Bad values are a ``ConfigError`` naming the key."""
+    block = config_mapping(config, "rope_parameters")
     # A nested block per attention type (e.g. {"full_attention": {...}}) is resolved by callers.
-    scaling = dict(config.get("rope_scaling") or {})
-    if block:
+    scaling = dict(config_mapping(config, "rope_scaling")) if scaled else {}
+    if block and scaled:
         scaling = {**block, **scaling}
-    theta = float(block.get(theta_key, config.get(theta_key, default_theta)))
+    theta = block.get(theta_key, config.get(theta_key, default_theta))
+    if not is_number(theta) or theta <= 1:
+        raise ConfigError(f"{theta_key} must be a number > 1, got {theta!r}")
     kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
-    if kind not in ("default", "linear", "llama3", "yarn"):
-        raise ModelLoadError(f"unsupported RoPE scaling type {kind!r} "
-                             "(supported: default, linear, llama3, yarn)")
+    if kind not in _REQUIRED:
+        raise ConfigError(f"unsupported RoPE scaling type {kind!r} "
+                          f"(supported: {', '.join(_REQUIRED)})")
     params = {k: v for k, v in scaling.items() if k not in (theta_key, "rope_type", "type")}
-    return RopeSettings(theta, kind, params)
+    for key in _REQUIRED[kind]:
+        if params.get(key) is None:
+            raise ConfigError(f"{kind} RoPE scaling needs rope_scaling.{key}")
+    for key in _POSITIVE:
+        value = params.get(key)
+        if value is not None and (not is_number(value) or value <= 0):
+            raise ConfigError(f"rope_scaling.{key} must be a positive number, got {value!r}")
+    if kind == "llama3" and params.get("low_freq_factor", 1.0) == params.get(
+            "high_freq_factor", 4.0):
+        raise ConfigError("llama3 RoPE scaling needs low_freq_factor != high_freq_factor")
+    return RopeSettings(float(theta), kind, params)
 
 
 def _llama3_periods(dims: int, theta: float, p: dict) -> mx.array:

@@ -82,7 +82,7 @@ class StoredModel:
 def _count_parameters(files: Iterable[Path], config: dict[str, Any]) -> int:
     """Logical weights from the safetensors headers: a quantized weight counts ``out * in``
     (``scales`` holds one value per ``group_size`` inputs), its scales and biases count nothing."""
-    from backend.models.quantize import module_of, read_quantization
+    from backend.models.quantize import module_of, read_quantization, spec_for
 
     default, overrides = read_quantization(config)
     headers: dict[str, TensorInfo] = {}
@@ -94,7 +94,7 @@ def _count_parameters(files: Iterable[Path], config: dict[str, Any]) -> int:
         if name.endswith((".scales", ".biases")) and f"{module}.weight" in headers:
             continue
         scales = headers.get(f"{module_of(name)}.scales") if name.endswith(".weight") else None
-        spec = overrides.get(module_of(name), default)
+        spec = spec_for(module_of(name), default, overrides)
         if scales is not None and spec is not None:
             total += scales.numel * spec.group_size
         else:
@@ -111,13 +111,14 @@ def describe_folder(folder: Path, name: str | None = None) -> StoredModel:
     try:
         config = read_config(folder)
         parameters: int | None = _count_parameters(weight_files(folder), config)
+        quantization = describe_quantization(config)
     except ModelLoadError:
         return StoredModel(name or folder.name, folder, "unknown", None, size, None)
     return StoredModel(
         name=name or folder.name,
         path=folder,
         architecture=str(config["model_type"]),
-        quantization=describe_quantization(config),
+        quantization=quantization,
         size_bytes=size,
         parameters=parameters,
     )
@@ -145,6 +146,7 @@ def _quantize_shards(
         quantization_block,
         quantize_weight,
         read_quantization,
+        spec_for,
     )
 
     foreign = config.get("quantization_config")
@@ -165,7 +167,7 @@ def _quantize_shards(
         for name, array in mx.load(str(file)).items():
             module = module_of(name)
             if name.endswith(".weight") and f"{module}.scales" in all_names:
-                source_spec = overrides.get(module, default)
+                source_spec = spec_for(module, default, overrides)
                 if source_spec is None:
                     raise ModelLoadError(
                         f"{src}: {name} is quantized but config.json has no quantization for it"
@@ -206,14 +208,17 @@ def import_hf_folder(
 ) -> Path:
     """Copy (and optionally quantize) a Hugging Face model folder ``src`` into ``dest``.
 
-    Every safetensors file is validated first; the top-level config/tokenizer/template files are
-    copied; weights in other formats and subfolders are not. Returns ``dest``.
+    The folder is vetted first: its config, and every weight against it (``read_checkpoint``:
+    headers, names, shapes, kinds), so that what cannot load is never imported. The top-level
+    config/tokenizer/template files are copied; weights in other formats and subfolders are not.
+    Returns ``dest``.
     """
+    from backend.models.loading import read_checkpoint
+
     report = progress or (lambda fraction, message: None)
+    read_checkpoint(src)
     config = read_config(src)
     files = weight_files(src)
-    for file in files:
-        check_safetensors(file)
     dest.mkdir(parents=True, exist_ok=True)
     for item in sorted(src.iterdir()):
         if (
