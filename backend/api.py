@@ -47,6 +47,7 @@ class GenerateRequest:
     max_tokens: int = 512
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: bool = False  # report each sampled token's log-probability under the model
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class TokenEvent:
     text: str
     token_id: int
     from_draft: bool = False
+    logprob: float | None = None  # log p(token) under the model's logits, when asked for
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,10 @@ class DoneEvent:
     decode_tps: float
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    # Where the cached prompt tokens came from: "live" (already in the live caches), "device",
+    # "host", "disk" (the prefix cache's tiers); and how long restoring them took.
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    restore_s: float = 0.0
 
 
 @dataclass(frozen=True)

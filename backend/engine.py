@@ -1,4 +1,4 @@
-"""The engine: load a model and stream generations from it.
+"""The engine: load a model and stream generations from it, over one shared prefix cache.
 
 Scope: one loaded model (and later an optional drafter), one generation at a time, called from
 one thread (the desktop's worker thread, the terminal chat, the server or a benchmark).
@@ -9,31 +9,38 @@ Public surface (see docs/ARCHITECTURE.md):
     engine = Engine.load("SmolLM2-135M-Instruct")          # store name, HF folder or .gguf
     for event in engine.generate(GenerateRequest(messages=[...]), cancel=threading.Event()):
         TokenEvent(text, token_id, from_draft) ... then exactly one DoneEvent(stats)
+    engine.prefetch(messages=[...])  engine.cache_stats()  engine.clear_cache()  engine.close()
 
 ``generate`` in numbered steps:
 
 1. Turn the request into prompt token ids (chat template or raw ids) and check it fits.
-2. Reuse the live caches' common prefix with the previous request (rewind to it).
+2. Restore the longest prefix stored for any conversation (``backend.memory.PrefixCache``):
+   the live caches then hold ``cached`` prompt tokens, brought from the device, host or disk.
 3. Prefill the rest in chunks (``PREFILL_CHUNK`` tokens), checking ``cancel`` between chunks;
-   only the last position goes through the vocabulary projection.
+   only the last position goes through the vocabulary projection. The states the prefix cache
+   scheduled are captured by these writes and attached after the prefill (also on cancel).
 4. Decode: sample token t while the device already computes t+1 (``mx.async_eval`` one step
    ahead), stream text through the detokenizer and stop-string matcher, check ``cancel``.
-5. Emit ``DoneEvent`` with the statistics; remember which tokens the caches now hold.
+5. Record what the caches now hold in the prefix cache, emit ``DoneEvent`` with the statistics,
+   then (once the caller asks for more) write new states to the disk tier.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
 
-from backend.api import DoneEvent, GenerateRequest, ModelInfo, TokenEvent
-from backend.caches.base import Cache
+from backend.api import CacheStats, DoneEvent, GenerateRequest, ModelInfo, TokenEvent
 from backend.errors import ContextLengthError, InvalidRequestError
+from backend.memory.budgets import CacheConfig
+from backend.memory.disk import DiskStore
+from backend.memory.fingerprint import model_fingerprint
+from backend.memory.prefix_cache import PrefixCache
+from backend.models.files import weight_files
 from backend.models.loading import LoadedModel, load_model
 from backend.models.quantize import describe_quantization
 from backend.sampling import Sampler
@@ -44,41 +51,45 @@ PREFILL_CHUNK = 2048
 Event = TokenEvent | DoneEvent
 
 
-@dataclass
-class _LiveState:
-    """The live caches and exactly which token ids they hold (prefix reuse across requests)."""
-
-    caches: list[Cache]
-    tokens: list[int] = field(default_factory=list)
-
-
-def common_prefix_length(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 class Engine:
-    """A loaded model plus its tokenizer; ``generate`` streams events (see module docstring)."""
+    """A loaded model, its tokenizer and its prefix cache; ``generate`` streams events (see
+    the module docstring)."""
 
-    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, name: str):
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, name: str,
+                 cache: CacheConfig | None = None, prefill_chunk: int | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = tokenizer
         self.name = name
-        self._live = _LiveState(self.model.make_caches())
+        self.prefill_chunk = prefill_chunk  # None: PREFILL_CHUNK
+        self.cache_config = cache if cache is not None else CacheConfig.default()
+        self.caches = self.model.make_caches()
+        self.prefix = self._prefix_cache(self.cache_config)
         self._busy = threading.Lock()
 
     @classmethod
-    def load(cls, model: str | Path | None = None, dtype: str | None = None) -> "Engine":
+    def load(cls, model: str | Path | None = None, dtype: str | None = None,
+             cache: CacheConfig | None = None, prefill_chunk: int | None = None) -> "Engine":
         """Load a store name, an HF folder or a .gguf file (None: the default model)."""
         from backend.models.store import ModelStore
 
         folder = ModelStore().resolve(model)
         loaded = load_model(folder, dtype)
-        return cls(loaded, Tokenizer.from_folder(folder), Path(folder).name)
+        return cls(loaded, Tokenizer.from_folder(folder), Path(folder).name, cache,
+                   prefill_chunk)
+
+    def _prefix_cache(self, config: CacheConfig) -> PrefixCache:
+        disk = None
+        if config.directory is not None and config.budgets.disk_bytes > 0:
+            folder = Path(self.loaded.folder)
+            fingerprint = model_fingerprint(
+                folder, weight_files(folder), str(self.loaded.dtype).replace("mlx.core.", ""),
+                "kernels" if self.loaded.cpu_kernels else "mlx",
+                memo_file=Path(config.directory) / "hashes.json")
+            disk = DiskStore(Path(config.directory), fingerprint)
+        return PrefixCache(self.caches, config.budgets, disk,
+                           evaluate=lambda caches: mx.eval([c.arrays() for c in caches]),
+                           capture_interval=config.capture_interval, pre_end=config.pre_end)
 
     # -- information ---------------------------------------------------------------------------
     @property
@@ -117,47 +128,59 @@ class Engine:
                 f"prompt is {len(ids)} tokens but the model's context is {self.context_length}")
         return ids
 
-    # -- step 2 --------------------------------------------------------------------------------
-    def _reuse_prefix(self, prompt: list[int]) -> int:
-        """Rewind the live caches to the longest prefix they share with ``prompt``."""
-        live = self._live
-        keep = common_prefix_length(live.tokens, prompt)
-        keep = min(keep, len(prompt) - 1)  # the last prompt token must run to give logits
-        if keep < len(live.tokens):
-            if not all(c.restore(None, keep) for c in live.caches):
-                self._reset()
-                return 0
-            del live.tokens[keep:]
-        return keep
+    # -- the prefix cache -----------------------------------------------------------------------
+    def cache_stats(self) -> CacheStats:
+        """Bytes, entries, hits and evictions per tier of the prefix cache."""
+        return self.prefix.stats()
+
+    def prefetch(self, messages: list | None = None, prompt_ids: list[int] | None = None,
+                 cancel: threading.Event | None = None) -> int:
+        """Bring the stored part of this conversation's prompt onto the device without running
+        the model (so sending it next starts at once); returns how many tokens are ready.
+        Stops early when ``cancel`` is set; returns 0 when a generation is running."""
+        ids = self.prompt_ids(GenerateRequest(messages=messages, prompt_ids=prompt_ids,
+                                              max_tokens=1))
+        if not self._busy.acquire(blocking=False):
+            return 0
+        try:
+            stop = cancel.is_set if cancel is not None else (lambda: False)
+            return self.prefix.prefetch(ids, should_stop=stop)
+        finally:
+            self._busy.release()
 
     def clear_cache(self) -> None:
-        """Forget every cached token (the next request prefills from scratch)."""
-        self._reset()
+        """Forget every stored prefix, on every tier (the next request prefills from scratch)."""
+        with self._busy:
+            self.prefix.clear()
 
-    def _reset(self) -> None:
-        for cache in self._live.caches:
-            cache.free()
-        self._live = _LiveState(self.model.make_caches())
+    def close(self) -> None:
+        """Write pending states to disk and release the disk tier (its writer lock)."""
+        with self._busy:
+            self.prefix.close()
 
     # -- steps 3 and 4 -------------------------------------------------------------------------
-    def _prefill(self, tokens: list[int], cancel: threading.Event | None) -> mx.array | None:
-        """Feed ``tokens`` through the model; logits (vocab,) of the last one, None if cancelled."""
-        caches = self._live.caches
-        for start in range(0, len(tokens) - 1, PREFILL_CHUNK):
+    def _prefill(self, prompt: list[int], start: int, held: list[int],
+                 cancel: threading.Event | None) -> mx.array | None:
+        """Feed ``prompt[start:]``; logits (vocab,) of the last token, None if cancelled.
+        ``held`` tracks the ids the caches hold."""
+        chunk_size = self.prefill_chunk or PREFILL_CHUNK
+        for begin in range(start, len(prompt) - 1, chunk_size):
             if cancel is not None and cancel.is_set():
                 return None
-            chunk = tokens[start:min(start + PREFILL_CHUNK, len(tokens) - 1)]
-            hidden = self.model.hidden(mx.array(chunk)[None], caches)  # (1, n, hidden)
-            mx.eval(hidden, [c.arrays() for c in caches])
-            self._live.tokens.extend(chunk)
+            chunk = prompt[begin:min(begin + chunk_size, len(prompt) - 1)]
+            hidden = self.model.hidden(mx.array(chunk)[None], self.caches)  # (1, n, hidden)
+            mx.eval(hidden, [c.arrays() for c in self.caches])
+            held.extend(chunk)
         if cancel is not None and cancel.is_set():
             return None
-        return self._step(tokens[-1:])
+        logits = self._step(prompt[-1:])
+        held.append(prompt[-1])
+        return logits
 
     def _step(self, tokens: list[int] | mx.array) -> mx.array:
-        """Lazy logits (vocab,) after feeding ``tokens``; records them as held by the caches."""
+        """Lazy logits (vocab,) after feeding ``tokens`` to the live caches."""
         ids = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
-        hidden = self.model.hidden(ids.reshape(1, -1), self._live.caches)
+        hidden = self.model.hidden(ids.reshape(1, -1), self.caches)
         return self.model.logits(hidden[:, -1:, :])[0, -1]  # (vocab,)
 
     def generate(self, request: GenerateRequest,
@@ -168,6 +191,8 @@ class Engine:
             yield from self._generate(request, cancel)
         finally:
             self._busy.release()
+        with self._busy:
+            self.prefix.persist()  # 5: new states to disk, after the reply is out
 
     def _generate(self, request: GenerateRequest,
                   cancel: threading.Event | None) -> Iterator[Event]:
@@ -175,13 +200,24 @@ class Engine:
         prompt = self.prompt_ids(request)  # 1
         sampler = Sampler(request.sampling)
         budget = min(request.max_tokens, self.context_length - len(prompt))
-        cached = self._reuse_prefix(prompt)  # 2
+        resume = self.prefix.begin(prompt)  # 2
+        held = list(prompt[:resume.cached])  # the ids the live caches hold, at every step
         try:
-            logits = self._prefill(prompt[cached:], cancel)  # 3
-        except BaseException:
-            self._reset()  # a half-written cache must not be reused
+            yield from self._run(request, prompt, resume, held, sampler, budget, cancel,
+                                 t_start)
+        except GeneratorExit:  # the caller stopped reading: the caches hold exactly ``held``
+            if self.prefix.running:
+                self.prefix.commit(held)
             raise
-        self._live.tokens = list(prompt) if logits is not None else self._live.tokens
+        except BaseException:
+            if self.prefix.running:
+                self.prefix.abort()  # a half-written cache is never reused
+            raise
+
+    def _run(self, request, prompt, resume, held, sampler, budget, cancel,
+             t_start) -> Iterator[Event]:
+        logits = self._prefill(prompt, resume.cached, held, cancel)  # 3
+        self.prefix.attach_captures(held)
         generated: list[int] = []
         detok = self.tokenizer.detokenizer()
         stops = StopMatcher(request.stop)
@@ -197,28 +233,35 @@ class Engine:
                 return None
             return mx.array((prompt + generated)[-params.penalty_window:], dtype=mx.int32)
 
-        if logits is not None:  # 4
+        def sample(logits: mx.array) -> tuple[mx.array, mx.array | None]:
             token = sampler.distribution(logits, history()).sample()
-            mx.async_eval(token)
+            logprob = None
+            if request.logprobs:  # log-softmax of the model's own logits at the sampled token
+                logprob = logits[token] - mx.logsumexp(logits)
+            mx.async_eval(token if logprob is None else [token, logprob])
+            return token, logprob
+
+        if logits is not None:  # 4
+            token, logprob = sample(logits)
             while True:
                 # Queue the next step before waiting on this token so the device never idles;
                 # when this token turns out to be the last, that one step is wasted work.
                 ahead = None
                 if len(generated) + 1 < budget:
-                    ahead_logits = self._step(token.reshape(1))
-                    ahead = ahead_logits
+                    ahead = self._step(token.reshape(1))
                 token_id = int(token.item())
                 if not generated:
                     t_first = time.perf_counter()
                 if ahead is not None:
-                    self._live.tokens.append(token_id)
+                    held.append(token_id)
                 generated.append(token_id)
                 if token_id in self.tokenizer.eos_token_ids and not request.ignore_eos:
                     finish = "stop"
                     break
                 text, stopped = stops.feed(detok.add(token_id))
                 pieces.append(text)
-                yield TokenEvent(text, token_id)
+                yield TokenEvent(text, token_id,
+                                 logprob=None if logprob is None else float(logprob.item()))
                 if stopped:
                     finish = "stop"
                     break
@@ -227,26 +270,29 @@ class Engine:
                     break
                 if ahead is None:
                     break
-                token = sampler.distribution(ahead, history()).sample()
-                mx.async_eval(token)
+                token, logprob = sample(ahead)
             if not stops.stopped:  # release text held back for a stop string or a partial char
                 tail, stopped = stops.feed(detok.finalize())
                 tail += "" if stopped else stops.flush()
                 if tail:
                     pieces.append(tail)
                     yield TokenEvent(tail, -1)
+        mx.eval([c.arrays() for c in self.caches])
+        self.prefix.commit(held)  # 5
         t_end = time.perf_counter()
-        n_new = len(prompt) - cached
+        n_new = len(prompt) - resume.cached
         decode_time = t_end - t_first
         yield DoneEvent(
             text="".join(pieces),
             token_ids=generated,
             finish_reason=finish,
             prompt_tokens=len(prompt),
-            cached_tokens=cached,
+            cached_tokens=resume.cached,
             generated_tokens=len(generated),
             ttft_s=(t_first - t_start) if generated else 0.0,
             # The first token is only known once the last prefill chunk ran: TTFT bounds prefill.
             prefill_tps=n_new / max(t_first - t_start, 1e-9) if generated else 0.0,
             decode_tps=(len(generated) - 1) / decode_time if len(generated) > 1 else 0.0,
+            cached_by_tier=dict(resume.by_tier),
+            restore_s=resume.restore_s,
         )

@@ -25,3 +25,19 @@ def data_dir() -> Path:
 def models_dir() -> Path:
     """The model store's root (``backend.models.store.ModelStore``)."""
     return data_dir() / "models"
+
+
+ENV_CACHE = "ARBOR_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Re-creatable data (the prefix cache's disk tier): ``$ARBOR_CACHE_DIR``, else
+    ``$ARBOR_HOME/cache``, else ``platformdirs.user_cache_dir("arbor")``."""
+    if os.environ.get(ENV_CACHE):
+        return Path(os.environ[ENV_CACHE]).expanduser()
+    home = os.environ.get(ENV_HOME)
+    if home:
+        return Path(home).expanduser() / "cache"
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("arbor"))

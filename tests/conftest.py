@@ -24,8 +24,10 @@ pytest_plugins = ["pytester"]
 
 @pytest.fixture(autouse=True)
 def _arbor_home(tmp_path_factory, monkeypatch):
-    """Never touch the user's real data dir; the default-model import is shared per session."""
+    """Never touch the user's real data dir; the default-model import is shared per session,
+    the prefix cache's disk tier is each test's own (no test sees another's stored states)."""
     monkeypatch.setenv("ARBOR_HOME", str(tmp_path_factory.getbasetemp() / "arbor-home"))
+    monkeypatch.setenv("ARBOR_CACHE_DIR", str(tmp_path_factory.mktemp("prefix-cache")))
 
 
 @pytest.fixture(scope="session")

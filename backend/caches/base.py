@@ -42,6 +42,8 @@ from typing import Literal, Protocol, Sequence, runtime_checkable
 
 import mlx.core as mx
 
+from backend.memory.records import SnapshotRecord
+
 
 @dataclass(frozen=True)
 class AttentionMask:
@@ -89,6 +91,11 @@ class Snapshot(Protocol):
     @property
     def nbytes(self) -> int: ...
 
+    @property
+    def is_lazy(self) -> bool:
+        """True while it is only a view of a live buffer (``nbytes`` is 0 until copied out)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -105,9 +112,38 @@ class Cache(Protocol):
     #: True when ``restore(None, target)`` can move backwards from the current state.
     can_rewind: bool
 
+    #: ``"span"``: a snapshot holds the contribution of each token of ``[start, end)`` (restorable
+    #: at any point inside, given the prefix); ``"state"``: the whole state at ``end`` only.
+    snapshot_kind: Literal["span", "state"]
+
+    def can_rewind_to(self, target: int) -> bool:
+        """Would ``restore(None, target)`` succeed now? (A query: nothing changes.)"""
+        ...
+
     def prepare_snapshots(self, offsets: Sequence[int]) -> None: ...
 
     def take_snapshots(self) -> list[Snapshot]: ...
+
+    def cancel_snapshots(self) -> None:
+        """Drop scheduled offsets that no write has crossed yet."""
+        ...
+
+    def snapshot(self, start: int, end: int | None = None) -> Snapshot:
+        """A snapshot of the live state covering ``[start, end)`` (``end`` defaults to the
+        offset; a state kind only has the state at its offset)."""
+        ...
+
+    def export_snapshot(self, snapshot: Snapshot) -> SnapshotRecord:
+        """An owned numpy copy of ``snapshot`` (exact, for the host and disk tiers)."""
+        ...
+
+    def import_snapshot(self, record: SnapshotRecord) -> Snapshot:
+        """A snapshot of this kind from a record (owned MLX arrays); ValueError if foreign."""
+        ...
+
+    def reserve(self, tokens: int) -> None:
+        """Capacity hint before restoring ``tokens`` positions (avoids repeated growth)."""
+        ...
 
     def restore(self, snapshot: Snapshot | None, target: int) -> bool: ...
 
@@ -168,6 +204,10 @@ class SnapshotSchedule:
     def take(self) -> list[Snapshot]:
         taken, self._taken = self._taken, []
         return taken
+
+    def discard_pending(self) -> None:
+        """Forget scheduled offsets no write crossed (a cancelled or finished prefill)."""
+        self._pending.clear()
 
     def clear_after(self, offset: int) -> None:
         """A rewind below pending offsets invalidates nothing scheduled ahead; keep them."""

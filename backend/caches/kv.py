@@ -19,6 +19,8 @@ from typing import Sequence
 import mlx.core as mx
 
 from backend.caches.base import SnapshotSchedule
+from backend.caches.export import make_record, read_record
+from backend.memory.records import SnapshotRecord
 
 STEP = 256
 
@@ -134,14 +136,48 @@ class LazyKVStorage:
     def take_snapshots(self) -> list[KVSnapshot]:
         return self._schedule.take()
 
+    def cancel_snapshots(self) -> None:
+        self._schedule.discard_pending()
+
+    # -- records (host / disk tiers) -------------------------------------------------------------
+    _record_kind = "kv"
+
+    def export_snapshot(self, snapshot: KVSnapshot) -> SnapshotRecord:
+        keys, values = snapshot.arrays()
+        return make_record(self._record_kind, snapshot.start, snapshot.end,
+                           {"keys": keys, "values": values}, lo=snapshot.lo)
+
+    def import_snapshot(self, record: SnapshotRecord) -> KVSnapshot:
+        arrays = read_record(record, self._record_kind)
+        meta = record.meta
+        return self._owned_snapshot(meta["start"], meta["end"], meta["lo"],
+                                    arrays["keys"], arrays["values"])
+
+    def _owned_snapshot(self, start: int, end: int, lo: int, keys: mx.array,
+                        values: mx.array) -> KVSnapshot:
+        raise NotImplementedError
+
 
 class KVCache(LazyKVStorage):
     """Full-attention cache; see the module docstring and ``caches.base`` for the contract."""
 
     can_rewind = True
+    snapshot_kind = "span"
 
     def _view(self, start: int, end: int) -> tuple[mx.array, mx.array]:
         return self.keys[..., start:end, :], self.values[..., start:end, :]
+
+    def can_rewind_to(self, target: int) -> bool:
+        return 0 <= target <= self._offset
+
+    def reserve(self, tokens: int) -> None:
+        if self.keys is not None:
+            self._reserve(self.keys[..., :0, :], self.values[..., :0, :], tokens)
+
+    def _owned_snapshot(self, start, end, lo, keys, values) -> KVSnapshot:
+        if lo != start or keys.shape[2] != end - start:
+            raise ValueError(f"a full-attention record must hold exactly [{start}, {end})")
+        return KVSnapshot(None, start, end, keys, values)
 
     def _protect_from(self, position: int) -> None:
         """Copy out every lazy snapshot that a write starting at ``position`` would overwrite."""

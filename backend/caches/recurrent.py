@@ -25,6 +25,8 @@ from typing import Sequence
 import mlx.core as mx
 
 from backend.caches.base import SnapshotSchedule
+from backend.caches.export import make_record, read_record
+from backend.memory.records import SnapshotRecord
 
 
 class RecurrentSnapshot:
@@ -40,6 +42,10 @@ class RecurrentSnapshot:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self._conv, self._delta) if a is not None)
+
+    @property
+    def is_lazy(self) -> bool:
+        return False  # it holds the scan's own immutable state arrays
 
     def state(self) -> tuple[mx.array | None, mx.array | None]:
         if self._closed:
@@ -58,6 +64,7 @@ class RecurrentCache:
     """Conv + gated-delta state; see the module docstring and ``caches.base`` for the contract."""
 
     can_rewind = False
+    snapshot_kind = "state"
 
     def __init__(self) -> None:
         self.conv: mx.array | None = None  # (B, K-1, C), None before the first write
@@ -116,11 +123,31 @@ class RecurrentCache:
     def take_snapshots(self) -> list[RecurrentSnapshot]:
         return self._schedule.take()
 
-    def snapshot(self, start: int = 0) -> RecurrentSnapshot:
+    def cancel_snapshots(self) -> None:
+        self._schedule.discard_pending()
+
+    def snapshot(self, start: int = 0, end: int | None = None) -> RecurrentSnapshot:
         """The live state as a snapshot covering ``[start, offset)``."""
-        if not 0 <= start <= self._offset:
-            raise ValueError(f"snapshot start {start} outside [0, {self._offset}]")
+        if not 0 <= start <= self._offset or end not in (None, self._offset):
+            raise ValueError(f"snapshot [{start}, {end}) of a recurrent state at {self._offset}:"
+                             f" only the state at the offset exists")
         return RecurrentSnapshot(start, self._offset, self.conv, self.delta)
+
+    def can_rewind_to(self, target: int) -> bool:
+        return target in (0, self._offset)
+
+    def reserve(self, tokens: int) -> None:
+        pass  # a recurrent state has a fixed size
+
+    def export_snapshot(self, snapshot: RecurrentSnapshot) -> SnapshotRecord:
+        conv, delta = snapshot.state()
+        arrays = {name: a for name, a in (("conv", conv), ("delta", delta)) if a is not None}
+        return make_record("recurrent", snapshot.start, snapshot.end, arrays)
+
+    def import_snapshot(self, record: SnapshotRecord) -> RecurrentSnapshot:
+        arrays = read_record(record, "recurrent")
+        return RecurrentSnapshot(record.meta["start"], record.meta["end"], arrays.get("conv"),
+                                 arrays.get("delta"))
 
     def restore(self, snapshot: RecurrentSnapshot | None, target: int) -> bool:
         if target < 0:

@@ -68,6 +68,8 @@ class RotatingKVCache(LazyKVStorage):
     """Sliding-window cache; see the module docstring and ``caches.base`` for the contract."""
 
     can_rewind = True  # within the stored window; restore says False beyond it
+    snapshot_kind = "state"
+    _record_kind = "rotating"
 
     def __init__(self, window: int) -> None:
         if window < 1:
@@ -185,14 +187,26 @@ class RotatingKVCache(LazyKVStorage):
     def _new_snapshot(self, start: int, end: int) -> RotatingSnapshot:
         return RotatingSnapshot(self, start, end, self._window_start(end))
 
-    def snapshot(self, start: int = 0) -> RotatingSnapshot:
+    def snapshot(self, start: int = 0, end: int | None = None) -> RotatingSnapshot:
         """A lazy snapshot of the live window, covering ``[start, offset)``."""
-        if not 0 <= start <= self._offset:
-            raise ValueError(f"snapshot start {start} outside [0, {self._offset}]")
+        if not 0 <= start <= self._offset or end not in (None, self._offset):
+            raise ValueError(f"snapshot [{start}, {end}) of a window at {self._offset}: only the "
+                             f"window at the offset exists")
         return self._lazy_snapshot(start, self._offset)
 
     def _can_rewind_to(self, target: int) -> bool:
         return target <= self._offset and self._window_start(target) >= self._lo
+
+    def can_rewind_to(self, target: int) -> bool:
+        return target == 0 or (0 <= target and self._can_rewind_to(target))
+
+    def reserve(self, tokens: int) -> None:
+        pass  # a window never grows past its size
+
+    def _owned_snapshot(self, start, end, lo, keys, values) -> RotatingSnapshot:
+        if keys.shape[2] != end - lo or lo != self._window_start(end):
+            raise ValueError(f"a window record [{lo}, {end}) does not fit window {self.window}")
+        return RotatingSnapshot(None, start, end, lo, keys, values)
 
     def restore(self, snapshot: RotatingSnapshot | None, target: int) -> bool:
         if target < 0:

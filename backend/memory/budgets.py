@@ -64,3 +64,28 @@ def _free_disk_bytes(path: Path | None) -> int:
         return shutil.disk_usage(probe).free
     except OSError:
         return 10 << 30
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How an engine's prefix cache is set up. ``directory`` None: no disk tier."""
+
+    budgets: CacheBudgets
+    directory: Path | None
+    capture_interval: int = 4096  # a prefill capture every this many tokens
+    pre_end: int = 4  # and this many tokens before the end of each prompt
+
+    @classmethod
+    def default(cls, device_mb: int | None = None, host_mb: int | None = None,
+                disk_mb: int | None = None, directory: Path | None = None) -> "CacheConfig":
+        """The machine's default budgets (any of them overridden, in MiB) under the platform
+        cache dir (``backend.paths.cache_dir()``) unless ``directory`` is given."""
+        from backend.paths import cache_dir
+
+        directory = Path(directory) if directory is not None else cache_dir() / "prefix-cache"
+        budgets = CacheBudgets.defaults(directory).with_mb(device_mb, host_mb, disk_mb)
+        return cls(budgets, directory if budgets.disk_bytes > 0 else None)
+
+    @classmethod
+    def memory_only(cls, device_mb: int = 1024, host_mb: int = 0) -> "CacheConfig":
+        return cls(CacheBudgets(device_mb * MIB, host_mb * MIB, 0), None)

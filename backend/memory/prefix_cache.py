@@ -796,6 +796,11 @@ class PrefixCache:
         if self.disk is not None:
             self.disk.touch([(n.last_used, n.data.id) for n in nodes if n.data.on_disk])
 
+    @property
+    def running(self) -> bool:
+        """True between ``begin`` and ``commit`` / ``abort``."""
+        return self._request is not None
+
     def _require_request(self) -> _Request:
         if self._request is None:
             raise RuntimeError("no request is running: call begin() first")

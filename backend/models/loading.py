@@ -47,6 +47,7 @@ class LoadedModel:
     folder: Path
     dtype: mx.Dtype
     quantization: dict | None  # the config block, when the weights stay quantized
+    cpu_kernels: bool = False  # linear layers run on the native CPU kernels
 
     @property
     def parameter_bytes(self) -> int:
@@ -239,4 +240,5 @@ def load_model(folder: str | Path, dtype: str | None = None,
     if cpu_kernels:
         use_cpu_kernels(model)
     block = config.get("quantization") or config.get("quantization_config")
-    return LoadedModel(model, config, folder, compute, block if quantized else None)
+    return LoadedModel(model, config, folder, compute, block if quantized else None,
+                       cpu_kernels=bool(cpu_kernels))
