@@ -1,7 +1,8 @@
 """The app in a child process for the crash test: ``python -m tests.desktop.crash_app DB MODEL``.
 
-Opens the real window (offscreen) over the real tiny model, paced so the reply takes seconds,
-sends one message, and after every update of the reply *on screen* prints one JSON line
+Opens the real window (offscreen) over the real tiny model and sends one message; its reply
+shows its first tokens (each as its own update), then waits at the engine's gate until the kill.
+After every update of the reply *on screen* it prints one JSON line
 ``{"conversation": id, "message": id, "shown": text}``. The test kills it with SIGKILL mid-reply.
 """
 
@@ -13,21 +14,24 @@ import sys
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
+SHOWN_TOKENS = 100  # of max_tokens=400: the reply is still streaming when the test kills the app
+
 
 def main(database: str, model_folder: str) -> int:
     from desktop.app import create_app
     from desktop.chat_settings import ChatSettings
     from desktop.store import ChatStore
-    from tests.desktop.conftest import PacedEngine
+    from tests.desktop.conftest import GatedEngine
 
     def loader(ref):
         from backend.engine import Engine
 
-        return PacedEngine(Engine.load(model_folder), delay_s=0.03)
+        return GatedEngine(Engine.load(model_folder), allowance=SHOWN_TOKENS)
 
     store = ChatStore(database)
     store.set_default_settings(ChatSettings(max_tokens=400, temperature=0.0))  # greedy: a long reply every run
-    parts = create_app("tiny", loader=loader, store=store, theme="light")
+    # Every token its own update: what passed the gate is on screen, however fast it came.
+    parts = create_app("tiny", loader=loader, store=store, theme="light", updates_per_second=1e9)
     window = parts.window
 
     def report(conversation_id: int, message_id: int, _text: str) -> None:

@@ -2,8 +2,8 @@
 
 Every test drives widgets (buttons, the message box, the search box, dialogs) or the window's own
 actions, and waits on signals or conditions - never on fixed sleeps. The engine is the real one
-over the tiny random model; ``PacedEngine`` only slows its token stream (on the worker thread) so
-that a test can act while a reply is still being written.
+over the tiny random model; ``GatedEngine`` only holds its tokens at a gate the test opens, so
+that a test can act while a reply is still being written, however fast this machine is.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from PySide6.QtWidgets import QAbstractButton, QApplication, QInputDialog, QLine
 from desktop.app import create_app
 from desktop.chat_settings import ChatSettings
 from desktop.store import ChatStore
+from tests.desktop.conftest import stream_until
 
 # Seeded: the tiny random model may end a reply at once for some seeds; a fixed seed keeps every
 # test's replies the same on every run.
@@ -26,20 +27,23 @@ TEST_DEFAULTS = ChatSettings(temperature=1.0, top_p=1.0, min_p=0.0, max_tokens=4
 
 @pytest.fixture
 def launch(qtbot, make_loader, tmp_path):
-    """``launch(delay_s=0.0, db=None)``: the app on a store file, model loaded, window shown."""
+    """``launch(allowance=None, db=None)``: the app on a store file, model loaded, window shown.
+    ``allowance=0`` holds every token at the engine's gate (``parts.engine``) until the test
+    lets it through (``stream_until``, ``parts.engine.open()``)."""
     started = []
 
-    def start(delay_s: float = 0.0, db=None, defaults: ChatSettings | None = TEST_DEFAULTS, theme="light"):
+    def start(allowance: int | None = None, db=None, defaults: ChatSettings | None = TEST_DEFAULTS, theme="light"):
         store = ChatStore(db or tmp_path / "chats.sqlite3")
         if defaults is not None:
             store.set_default_settings(defaults)
-        loader = make_loader(delay_s)
+        loader = make_loader(allowance)
         parts = create_app("tiny", loader=loader, store=store, theme=theme)
         parts.loader = loader
         started.append(parts)
         parts.window.show()
         qtbot.waitExposed(parts.window)
         qtbot.waitUntil(lambda: parts.window.controller.model_info is not None, timeout=20000)
+        parts.engine = loader.engines[-1]
         return parts
 
     yield start
@@ -69,14 +73,16 @@ def shown(window) -> list[tuple[str, str]]:
 
 
 def test_send_streams_then_stores_reply_with_stats(qtbot, launch):
-    parts = launch(delay_s=0.004)
+    parts = launch(allowance=0)
     w, c = parts.window, parts.window.controller
     with qtbot.waitSignals([c.reply_queued, c.reply_started, c.reply_ended], order="strict", timeout=20000):
         send(qtbot, w, "Hello, Arbor!")
         qtbot.waitUntil(lambda: len(w.chat_view.message_widgets()) == 2 and w.chat_view.message_widgets()[1].streaming)
         reply_widget = w.chat_view.message_widgets()[1]
         assert reply_widget.note.text() == "writing…" and w.composer.generating
-        qtbot.waitUntil(lambda: reply_widget.item.message.content != "", timeout=10000)
+        stream_until(qtbot, parts.engine, lambda: reply_widget.item.message.content != "")
+        assert reply_widget.streaming  # shown while the rest of the reply is still held
+        parts.engine.open()
     [user, reply] = w.store.path(w.current_id)
     assert (user.message.role, user.message.content) == ("user", "Hello, Arbor!")
     assert reply.message.status == "complete" and reply.message.content
@@ -89,13 +95,13 @@ def test_send_streams_then_stores_reply_with_stats(qtbot, launch):
 
 
 def test_stop_mid_reply_keeps_the_partial_text(qtbot, launch):
-    parts = launch(delay_s=0.02)
+    parts = launch(allowance=0)
     w = parts.window
     w.store.set_default_settings(ChatSettings(max_tokens=400, temperature=1.0, min_p=0.0, top_p=1.0, seed=7))
     send(qtbot, w, "Tell me a long story")
-    qtbot.waitUntil(lambda: len(w.chat_view.message_widgets()) == 2
-                    and len(w.chat_view.message_widgets()[1].item.message.content) > 3, timeout=10000)
-    with qtbot.waitSignal(w.controller.reply_ended, timeout=5000):
+    stream_until(qtbot, parts.engine, lambda: len(w.chat_view.message_widgets()) == 2
+                 and len(w.chat_view.message_widgets()[1].item.message.content) > 3)
+    with qtbot.waitSignal(w.controller.reply_ended, timeout=20000):
         qtbot.mouseClick(w.composer.stop_button, Qt.MouseButton.LeftButton)
     reply = w.store.path(w.current_id)[1].message
     assert reply.status == "cancelled" and 0 < reply.stats["generated_tokens"] < 400
@@ -147,7 +153,7 @@ def test_edit_user_message_resends_as_a_new_branch(qtbot, launch):
 
 
 def test_switching_chats_and_branches_while_generating_never_misroutes_tokens(qtbot, launch):
-    parts = launch(delay_s=0.01)
+    parts = launch()
     w = parts.window
     w.store.set_default_settings(ChatSettings(max_tokens=120, temperature=1.0, min_p=0.0, top_p=1.0, seed=7))
     misrouted = []
@@ -162,14 +168,15 @@ def test_switching_chats_and_branches_while_generating_never_misroutes_tokens(qt
     send(qtbot, w, "chat A, first")
     wait_idle(qtbot, w)
     chat_a = w.current_id
+    parts.engine.close()  # from here A's regenerated reply streams only as the test lets it
     qtbot.mouseClick(w.chat_view.message_widgets()[1].regenerate_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: bool(w.controller.live_text(w.store.path(chat_a)[1].message.id)), timeout=10000)
+    stream_until(qtbot, parts.engine, lambda: bool(w.controller.live_text(w.store.path(chat_a)[1].message.id)))
     streaming_id = w.store.path(chat_a)[1].message.id
     # Switch A to its other branch while the regenerated reply streams: it is off screen now.
     qtbot.mouseClick(w.chat_view.message_widgets()[1].previous_button, Qt.MouseButton.LeftButton)
     assert w.chat_view.widget_for(streaming_id) is None
     before = w.chat_view.message_widgets()[1].item.message.content
-    qtbot.waitUntil(lambda: len(w.controller.live_text(streaming_id) or "") > 20, timeout=10000)
+    stream_until(qtbot, parts.engine, lambda: len(w.controller.live_text(streaming_id) or "") > 20)
     assert w.chat_view.message_widgets()[1].item.message.content == before
     # A new chat while A is still generating: its reply is queued behind A's.
     qtbot.keyClick(w, Qt.Key.Key_N, Qt.KeyboardModifier.ControlModifier)
@@ -180,6 +187,7 @@ def test_switching_chats_and_branches_while_generating_never_misroutes_tokens(qt
     # Back to A and forth to B while replies stream.
     w.open_conversation(chat_a)
     w.open_conversation(chat_b)
+    parts.engine.open()
     wait_idle(qtbot, w, timeout=30000)
     assert not misrouted
     assert [role for role, _ in path_texts(w)] == ["user", "assistant"] and path_texts(w)[0][1] == "chat B"
@@ -202,8 +210,9 @@ def test_search_finds_messages_and_jumps_to_the_hit(qtbot, launch):
     wait_idle(qtbot, w)
     qtbot.keyClick(w, Qt.Key.Key_K, Qt.KeyboardModifier.ControlModifier)
     assert QApplication.focusWidget() is w.sidebar.search
-    qtbot.keyClicks(w.sidebar.search, "zebr")
-    qtbot.waitUntil(lambda: w.search_results.rowCount() == 2, timeout=3000)  # the title and the message
+    with qtbot.waitSignal(w.sidebar.search_changed, timeout=20000):  # after the typing pause
+        qtbot.keyClicks(w.sidebar.search, "zebr")
+    assert w.search_results.rowCount() == 2  # the title and the message
     assert w.sidebar.stack.currentWidget() is w.sidebar.results_view
     title_hit, message_hit = w.search_results.hit(0), w.search_results.hit(1)
     assert title_hit.message_id is None and title_hit.conversation_id == zebra_chat
@@ -336,9 +345,13 @@ def test_model_manager_imports_and_switches_models(qtbot, launch, tiny_model_dir
     manager = w.open_model_manager()
     qtbot.waitUntil(lambda: manager._list_task is None, timeout=20000)
     manager.name_edit.setText("tiny-qwen")
+    fractions: list[float] = []
+    parts.tasks.progress.connect(lambda task, fraction, message: fractions.append(fraction))
     with qtbot.waitSignal(parts.tasks.done, timeout=30000):
         manager.import_path(tiny_model_dir("qwen2"))
-    assert manager.progress.value() == 1000 or not manager.running
+    assert fractions and fractions == sorted(fractions) and fractions[-1] == 1.0
+    assert manager.progress.value() == 1000  # the bar followed the task to its end
+    assert not manager.running and manager.status.text() == "Added tiny-qwen."
     qtbot.waitUntil(lambda: any(manager.table_model.model_at(r).name == "tiny-qwen"
                                 for r in range(manager.table_model.rowCount())), timeout=20000)
     row = next(r for r in range(manager.table_model.rowCount()) if manager.table_model.model_at(r).name == "tiny-qwen")
@@ -366,14 +379,15 @@ def manager_yes():
 
 
 def test_keyboard_shortcuts(qtbot, launch):
-    parts = launch(delay_s=0.02)
+    parts = launch(allowance=0)
     w = parts.window
     w.store.set_default_settings(ChatSettings(max_tokens=300, temperature=1.0, min_p=0.0, top_p=1.0, seed=7))
     send(qtbot, w, "first")
-    qtbot.waitUntil(lambda: w.composer.generating, timeout=5000)
-    with qtbot.waitSignal(w.controller.reply_ended, timeout=5000):
+    qtbot.waitUntil(lambda: w.composer.generating and parts.engine.held(), timeout=20000)
+    with qtbot.waitSignal(w.controller.reply_ended, timeout=20000):
         qtbot.keyClick(w.composer.input, Qt.Key.Key_Period, Qt.KeyboardModifier.ControlModifier)
     first = w.current_id
+    parts.engine.open()
     w.store.set_default_settings(TEST_DEFAULTS)
     with qtbot.waitSignal(w.controller.reply_ended, timeout=20000):
         qtbot.keyClick(w, Qt.Key.Key_R, Qt.KeyboardModifier.ControlModifier)  # regenerate
@@ -392,9 +406,10 @@ def test_keyboard_shortcuts(qtbot, launch):
     assert QApplication.focusWidget() is w.composer.input
     # Esc in the message box stops a reply too.
     w.store.set_default_settings(ChatSettings(max_tokens=300, temperature=1.0, min_p=0.0, top_p=1.0, seed=7))
+    parts.engine.close()
     send(qtbot, w, "third")
-    qtbot.waitUntil(lambda: w.composer.generating, timeout=5000)
-    with qtbot.waitSignal(w.controller.reply_ended, timeout=5000):
+    qtbot.waitUntil(lambda: w.composer.generating and parts.engine.held(), timeout=20000)
+    with qtbot.waitSignal(w.controller.reply_ended, timeout=20000):
         qtbot.keyClick(w.composer.input, Qt.Key.Key_Escape)
     assert w.store.path(second)[-1].message.status == "cancelled"
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from backend.api import DoneEvent, GenerateRequest, SamplingParams
+from desktop.app import SHUTDOWN_DEADLINE_S
 from desktop.worker import InferenceClient
+from tests.desktop.conftest import stream_until
 
 HELLO = [{"role": "user", "content": "hello"}]
 
@@ -29,16 +31,20 @@ class Recorder:
 def client(qtbot, make_loader):
     clients = []
 
-    def make(delay_s: float = 0.0, updates_per_second: float = 50.0) -> InferenceClient:
-        c = InferenceClient(make_loader(delay_s), updates_per_second=updates_per_second)
+    def make(allowance: int | None = None, updates_per_second: float = 50.0) -> InferenceClient:
+        """A client with the tiny model loaded; its engine (a ``GatedEngine`` with ``allowance``)
+        is ``client.engine``."""
+        loader = make_loader(allowance)
+        c = InferenceClient(loader, updates_per_second=updates_per_second)
         clients.append(c)
         with qtbot.waitSignal(c.model_loaded, timeout=20000):
             c.load_model("tiny")
+        c.engine = loader.engines[-1]
         return c
 
     yield make
     for c in clients:
-        assert c.shutdown(5.0)
+        assert c.shutdown(SHUTDOWN_DEADLINE_S)
 
 
 def test_one_token_reply_emits_started_token_finished_in_strict_order(qtbot, client):
@@ -47,27 +53,46 @@ def test_one_token_reply_emits_started_token_finished_in_strict_order(qtbot, cli
         c.generate(GenerateRequest(messages=HELLO, max_tokens=1))
 
 
-def test_stream_order_and_coalesced_text_equals_the_reply(qtbot, client):
-    c = client(updates_per_second=20)
+REQUEST = GenerateRequest(messages=HELLO, max_tokens=60, sampling=SamplingParams(seed=1))
+
+
+def test_first_token_at_once_then_the_rest_coalesced_within_the_interval(qtbot, client):
+    """One update per 1000 s: the first token is sent at once (the next one is still held at
+    the gate), everything after it comes as one update when the reply ends."""
+    c = client(allowance=1, updates_per_second=0.001)
     rec = Recorder(c)
+    rid = c.generate(REQUEST)
+    stream_until(qtbot, c.engine, lambda: "token" in rec.names(rid))
+    # sent as soon as the first token with text passed, while the next one is held
+    first_text = next(i for i, text in enumerate(c.engine.texts) if text)
+    assert c.engine.passed == first_text + 1 and c.engine.held()
     with qtbot.waitSignal(c.finished, timeout=20000) as done:
-        rid = c.generate(GenerateRequest(messages=HELLO, max_tokens=120, sampling=SamplingParams(seed=1)))
-    names = rec.names(rid)
-    assert names[0] == "started" and names[-1] == "finished"
-    assert set(names[1:-1]) == {"token"}
+        c.engine.open()
     final: DoneEvent = done.args[1]
+    assert sum(1 for text in c.engine.texts if text) > 2  # several tokens had text to merge
+    assert rec.names(rid) == ["started", "token", "token", "finished"]
     assert rec.text(rid) == final.text
-    # ~700 tokens/s from the tiny model, at most 20 updates/s: far fewer signals than tokens.
-    assert len(names) - 2 < final.generated_tokens
     assert not c.busy
 
 
+def test_each_token_is_its_own_update_when_the_interval_allows(qtbot, client):
+    c = client(updates_per_second=1e9)
+    rec = Recorder(c)
+    with qtbot.waitSignal(c.finished, timeout=20000) as done:
+        rid = c.generate(REQUEST)
+    names = rec.names(rid)
+    assert names[0] == "started" and names[-1] == "finished" and set(names[1:-1]) == {"token"}
+    tokens = [p for name, r, p in rec.events if r == rid and name == "token"]
+    assert tokens == [text for text in c.engine.texts if text]
+    assert "".join(tokens) == done.args[1].text
+
+
 def test_stop_mid_reply_cancels_with_partial_text(qtbot, client):
-    c = client(delay_s=0.01)
+    c = client(allowance=0)
     rec = Recorder(c)
     rid = c.generate(GenerateRequest(messages=HELLO, max_tokens=400))
-    qtbot.waitUntil(lambda: len(rec.text(rid)) > 0, timeout=10000)
-    with qtbot.waitSignal(c.cancelled, timeout=5000) as cancelled:
+    stream_until(qtbot, c.engine, lambda: len(rec.text(rid)) > 0)
+    with qtbot.waitSignal(c.cancelled, timeout=20000) as cancelled:
         c.cancel(rid)
     done = cancelled.args[1]
     assert done.finish_reason == "cancelled" and 0 < done.generated_tokens < 400
@@ -76,13 +101,15 @@ def test_stop_mid_reply_cancels_with_partial_text(qtbot, client):
 
 
 def test_queued_request_cancelled_before_it_runs_never_starts(qtbot, client):
-    c = client(delay_s=0.01)
+    c = client(allowance=0)
     rec = Recorder(c)
     first = c.generate(GenerateRequest(messages=HELLO, max_tokens=400))
     second = c.generate(GenerateRequest(messages=HELLO, max_tokens=5))
+    qtbot.waitUntil(c.engine.held, timeout=20000)  # the first is running, the second queued
     c.cancel(second)
     c.cancel(first)
-    qtbot.waitUntil(lambda: not c.busy, timeout=10000)
+    qtbot.waitUntil(lambda: not c.busy, timeout=20000)
+    assert rec.names(first)[0] == "started" and rec.names(first)[-1] == "cancelled"
     assert rec.names(second) == ["cancelled"]
     assert rec.events[-1] == ("cancelled", second, None)
 
@@ -103,7 +130,7 @@ def test_tokens_are_tagged_so_requests_never_mix(qtbot, client):
 
 def test_user_errors_arrive_as_one_line_errored(qtbot, client):
     c = client()
-    with qtbot.waitSignal(c.errored, timeout=5000) as err:
+    with qtbot.waitSignal(c.errored, timeout=20000) as err:
         c.generate(GenerateRequest(messages=HELLO, max_tokens=0))
     assert "max_tokens" in err.args[1] and "\n" not in err.args[1]
 
@@ -112,11 +139,11 @@ def test_generate_before_any_model_errors(qtbot, make_loader):
     c = InferenceClient(make_loader())
     rec = Recorder(c)
     try:
-        with qtbot.waitSignals([c.started, c.errored], order="strict", timeout=5000):
+        with qtbot.waitSignals([c.started, c.errored], order="strict", timeout=20000):
             rid = c.generate(GenerateRequest(messages=HELLO))
         assert rec.events == [("started", rid, None), ("errored", rid, "no model is loaded")]
     finally:
-        assert c.shutdown(5.0)
+        assert c.shutdown(SHUTDOWN_DEADLINE_S)
 
 
 def test_model_load_failure_is_reported(qtbot, make_loader, tmp_path):
@@ -126,12 +153,17 @@ def test_model_load_failure_is_reported(qtbot, make_loader, tmp_path):
             c.load_model(str(tmp_path / "missing-model"))
         assert "missing-model" in failed.args[1]
     finally:
-        assert c.shutdown(5.0)
+        assert c.shutdown(SHUTDOWN_DEADLINE_S)
 
 
-def test_shutdown_mid_reply_meets_its_deadline(qtbot, client):
-    c = client(delay_s=0.02)
+def test_shutdown_mid_reply_stops_the_reply_within_the_deadline(qtbot, client):
+    """Held mid-reply, the generation ends only through the cancellation that shutdown sends."""
+    c = client(allowance=3)
     rec = Recorder(c)
     rid = c.generate(GenerateRequest(messages=HELLO, max_tokens=400))
-    qtbot.waitUntil(lambda: "started" in rec.names(rid), timeout=10000)
-    assert c.shutdown(2.0)
+    qtbot.waitUntil(c.engine.held, timeout=20000)
+    assert c.shutdown(SHUTDOWN_DEADLINE_S)
+    assert not c.engine.waiting  # the held token passed when shutdown cancelled the request
+    qtbot.waitUntil(lambda: "cancelled" in rec.names(rid), timeout=20000)  # queued before exit
+    [done] = [p for name, r, p in rec.events if r == rid and name == "cancelled"]
+    assert done.finish_reason == "cancelled" and done.generated_tokens < 400
