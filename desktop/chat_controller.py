@@ -165,8 +165,10 @@ class ChatController(QObject):
         message = self.store.message(message_id)
         if self.active_reply(message.conversation_id) is not None:
             return None
+        if message.role == "assistant" and message.parent_id is None:
+            return None  # a reply whose question is missing from the store: nothing to answer
         parent = self.store.message(message.parent_id) if message.role == "assistant" else message
-        if parent is None or parent.role != "user":
+        if parent.role != "user":
             return None
         return self._start_reply(parent)
 

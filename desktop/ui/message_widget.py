@@ -164,7 +164,8 @@ class MessageWidget(QFrame):
         self.next_button.setEnabled(index < count - 1)
         self.edit_button.setVisible(is_user)
         self.regenerate_button.setVisible(not is_user)
-        self.regenerate_button.setEnabled(not streaming)
+        # A reply whose question is missing (a repaired link, see desktop.store.tree) has nothing to answer.
+        self.regenerate_button.setEnabled(not streaming and message.parent_id is not None)
         self.edit_button.setEnabled(not streaming)
         shown = (message.content, message.role, streaming)
         if force or shown != self._shown:

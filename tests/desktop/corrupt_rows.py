@@ -63,6 +63,8 @@ CASES = [
          "date unreadable"),
     Case("parent missing", "UPDATE messages SET parent_id = 9999 WHERE id = $u2", "u2",
          "earlier message 9999 is missing"),
+    Case("reply's question missing", "UPDATE messages SET parent_id = 9999 WHERE id = $a1", "a1",
+         "earlier message 9999 is missing"),
     Case("parents in a loop", "UPDATE messages SET parent_id = $a2 WHERE id = $u1", "u1",
          "loop back to it"),
     Case("chat settings not JSON", "UPDATE conversations SET settings = '{oops' WHERE id = $conversation",

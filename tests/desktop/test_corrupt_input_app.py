@@ -108,3 +108,14 @@ def test_a_failed_switch_keeps_the_model_that_was_loaded(qtbot, app, tmp_path, b
     send(qtbot, w, "hello")
     reply = w.store.path(w.current_id)[-1].message
     assert reply.status == "complete" and reply.model == tiny
+
+
+def test_a_reply_whose_question_is_missing_cannot_be_regenerated(qtbot, app, tmp_path):
+    db = tmp_path / "chats.sqlite3"
+    chat = make_database(db, next(c for c in CASES if c.name == "reply's question missing"))
+    w = app(db).window
+    reply = w.chat_view.widget_for(chat.a1)
+    assert not reply.regenerate_button.isEnabled()
+    assert w.chat_view.widget_for(chat.a2).regenerate_button.isEnabled()
+    assert w.controller.regenerate(chat.a1) is None and not w.client.busy  # the shortcut's path too
+    assert [p.message.id for p in w.store.path(chat.conversation)] == [chat.a1, chat.u2, chat.a2]
