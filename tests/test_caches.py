@@ -223,7 +223,22 @@ def test_rotating_multi_token_write_after_a_wrap_keeps_the_last_window_minus_one
     assert positions_of(cache.keys) != list(range(12, 20))  # ring order, not logical
     history = write(cache, 20, 5)
     assert positions_of(history.keys) == list(range(13, 25))  # 7 old in logical order + 5 new
-    assert [int(p) for p in np.array(history.key_positions())] == list(range(13, 25))
+    assert history.key_start == 13
+
+
+def test_rotating_history_is_logical_order_whatever_the_ring_layout():
+    """Attention must read the same keys in the same order for the same positions, whether the
+    ring wrapped step by step or the window was restored from a snapshot (other layout)."""
+    stepped = RotatingKVCache(8)
+    fill(stepped, 20)
+    snap = stepped.snapshot(0)
+    restored = RotatingKVCache(8)
+    assert restored.restore(snap, 20)
+    snap.close()
+    for cache in (stepped, restored):
+        history = write(cache, 20, 1)
+        assert positions_of(history.keys) == list(range(13, 21)) and history.key_start == 13
+    assert positions_of(stepped.keys) != positions_of(restored.keys)  # storage differs
 
 
 def test_rotating_multi_token_write_before_a_wrap_drops_the_stale_tail():
@@ -232,7 +247,7 @@ def test_rotating_multi_token_write_before_a_wrap_drops_the_stale_tail():
     assert cache.restore(None, 3)
     history = write(cache, 3, 2)
     assert positions_of(history.keys) == list(range(5))
-    assert history.key_positions() is None  # storage is logical order from 0
+    assert history.key_start == 0
 
 
 @pytest.mark.parametrize("regime,offset,reachable", [

@@ -1,12 +1,12 @@
 """One scaled-dot-product-attention helper for every model and cache kind.
 
 Models describe their mask logically (``AttentionMask``: causal, sliding window, none); the cache's
-``KVHistory`` says where each stored slot sits in the sequence. This helper composes the two
+``KVHistory`` holds its keys in logical order from position ``key_start``. This helper composes the two
 (plus optional key padding) and takes MLX's fused paths whenever the result is equivalent:
 
 * no mask at all   when every stored key is visible to every query (e.g. one-token decode on a
                    contiguous cache inside its window);
-* ``"causal"``     when storage is contiguous from position 0 and no window cuts in (MLX's causal
+* ``"causal"``     when the keys end at the last query and no window cuts in (MLX's causal
                    mask is lower-right aligned, which is exactly "query i sees keys <= its position");
 * a boolean mask   otherwise, built from logical query and key positions.
 
@@ -19,7 +19,6 @@ blocks that each attend only to the keys their mask can reach (same result, less
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 from backend import kernels
 from backend.caches.base import AttentionMask, KVHistory
@@ -30,11 +29,11 @@ def logical_mask(mask: AttentionMask, query_positions: mx.array,
     """Boolean ``(Q, K)``: may the query at each position attend to the key at each position."""
     q = query_positions[:, None]
     k = key_positions[None, :]
-    allowed = k >= 0  # -1 marks an empty slot
-    if mask.kind == "causal":
-        allowed = allowed & (k <= q)
-        if mask.window is not None:
-            allowed = allowed & (k > q - mask.window)
+    if mask.kind != "causal":
+        return mx.ones((q.shape[0], k.shape[1]), dtype=mx.bool_)
+    allowed = k <= q
+    if mask.window is not None:
+        allowed = allowed & (k > q - mask.window)
     return allowed
 
 
@@ -44,19 +43,17 @@ def attention_mask(history: KVHistory, mask: AttentionMask,
 
     ``key_padding``: optional boolean ``(B, S)``, False for padded key slots.
     """
-    n_q, start = history.num_queries, history.query_start
-    positions = history.key_positions()
-    if key_padding is None and positions is None:
-        n_keys = history.keys.shape[2]
-        last = start + n_q - 1
-        # All keys visible to the first query's window?  Then the window never cuts in.
-        window_irrelevant = mask.window is None or last < mask.window
-        if mask.kind == "none" or (window_irrelevant and n_q == 1):
+    n_q, start, first = history.num_queries, history.query_start, history.key_start
+    n_keys = history.keys.shape[2]
+    if key_padding is None:
+        # The last query's window reaches back to the first stored key?  Then it never cuts in.
+        window_irrelevant = mask.window is None or start + n_q - 1 - mask.window < first
+        if mask.kind == "none" or (window_irrelevant and n_q == 1 and
+                                   n_keys == start + 1 - first):
             return None
-        if window_irrelevant and n_keys == start + n_q:
-            return "causal"
-    if positions is None:
-        positions = mx.arange(history.keys.shape[2], dtype=mx.int32)
+        if window_irrelevant and n_keys == start + n_q - first:
+            return "causal"  # MLX's causal mask is lower-right aligned: exactly this
+    positions = mx.arange(first, first + n_keys, dtype=mx.int32)
     queries = mx.arange(start, start + n_q, dtype=mx.int32)
     allowed = logical_mask(mask, queries, positions)  # (Q, S)
     if key_padding is not None:
@@ -70,32 +67,22 @@ QUERY_BLOCK = 256
 class _KeyRange:
     """A block of queries with the slice of the history its mask can reach (a KVHistory)."""
 
-    __slots__ = ("keys", "values", "query_start", "num_queries", "_positions")
+    __slots__ = ("keys", "values", "query_start", "num_queries", "key_start")
 
     def __init__(self, keys: mx.array, values: mx.array, query_start: int, num_queries: int,
-                 positions: mx.array | None):
+                 key_start: int):
         self.keys, self.values = keys, values
         self.query_start, self.num_queries = query_start, num_queries
-        self._positions = positions
-
-    def key_positions(self) -> mx.array | None:
-        return self._positions
+        self.key_start = key_start
 
 
 def query_blocks(history: KVHistory, mask: AttentionMask) -> list[_KeyRange] | None:
     """Cut a long causal run of queries into blocks with their reachable key slices, or None
-    when blocking does not apply (short runs, no causal mask, non-CPU device, storage whose
-    slots are not consecutive positions)."""
+    when blocking does not apply (short runs, no causal mask, non-CPU device)."""
     n_q, start = history.num_queries, history.query_start
     if n_q <= QUERY_BLOCK or mask.kind != "causal" or mx.default_device() != mx.cpu:
         return None
-    positions = history.key_positions()
-    first = 0  # slot i holds position first + i
-    if positions is not None:
-        p = np.array(positions)
-        if p.size == 0 or p[0] < 0 or np.any(np.diff(p) != 1):
-            return None
-        first = int(p[0])
+    first = history.key_start  # slot i holds position first + i
     n_keys = history.keys.shape[2]
     blocks = []
     for s in range(0, n_q, QUERY_BLOCK):
@@ -104,8 +91,7 @@ def query_blocks(history: KVHistory, mask: AttentionMask) -> list[_KeyRange] | N
         lo = first if mask.window is None else max(first, start + s - mask.window + 1)
         keys = history.keys[..., lo - first:hi - first, :]
         values = history.values[..., lo - first:hi - first, :]
-        sub = None if lo == 0 else mx.arange(lo, hi, dtype=mx.int32)
-        blocks.append(_KeyRange(keys, values, start + s, e - s, sub))
+        blocks.append(_KeyRange(keys, values, start + s, e - s, lo))
     return blocks
 
 

@@ -69,18 +69,18 @@ def sliding_window(window: int) -> AttentionMask:
 class KVHistory(Protocol):
     """Keys and values after an update, plus how stored slots map to logical positions.
 
-    ``keys``/``values`` are ``(B, n_kv_heads, S, head_dim)`` in *storage* order. ``query_start`` is
-    the logical position of the first query of this write and ``num_queries`` their count.
-    ``key_positions()`` returns ``None`` when storage order is logical order starting at 0 (the
-    fast paths), else an int32 ``(S,)`` array of each slot's logical position (-1 = empty slot).
+    ``keys``/``values`` are ``(B, n_kv_heads, S, head_dim)`` in *logical* order: slot ``i`` holds
+    position ``key_start + i``, whatever the cache's storage layout (a ring is presented
+    unrolled), so attention reads the same keys in the same order however the cache got there
+    (restored, rewound or written step by step). ``query_start`` is the logical position of the
+    first query of this write and ``num_queries`` their count.
     """
 
     keys: mx.array
     values: mx.array
     query_start: int
     num_queries: int
-
-    def key_positions(self) -> mx.array | None: ...
+    key_start: int
 
 
 @runtime_checkable

@@ -26,18 +26,17 @@ STEP = 256
 
 
 class ContiguousHistory:
-    """KV history whose slot i is logical position i (so no position map is needed)."""
+    """KV history: slot i holds logical position ``key_start + i``."""
 
-    __slots__ = ("keys", "values", "query_start", "num_queries")
+    __slots__ = ("keys", "values", "query_start", "num_queries", "key_start")
 
-    def __init__(self, keys: mx.array, values: mx.array, query_start: int, num_queries: int):
+    def __init__(self, keys: mx.array, values: mx.array, query_start: int, num_queries: int,
+                 key_start: int = 0):
         self.keys = keys
         self.values = values
         self.query_start = query_start
         self.num_queries = num_queries
-
-    def key_positions(self) -> mx.array | None:
-        return None
+        self.key_start = key_start
 
 
 class KVSnapshot:

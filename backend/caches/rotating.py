@@ -14,9 +14,10 @@ layout was last made linear)::
   old positions and append all new ones, so the first query of the batch still sees its whole
   window. The buffer then holds ``w - 1 + n`` slots until the next single-token write trims it.
 
-The history returned to attention carries each slot's logical position (``-1`` for a slot whose
-position was overwritten or rewound away), so the shared SDPA helper applies the model's logical
-sliding-window mask whatever the storage order.
+The history returned to attention is the stored positions ``[lo, offset)`` in logical order (a
+wrapped ring is unrolled with one copy of the window), so attention reads the same keys in the
+same order whatever layout a restore, a rewind or step-by-step writes left behind: replies do
+not depend on how the cache got to its state, bit for bit.
 
 Rewind (``restore(None, t)``) is an offset move whenever the window before ``t`` is still stored
 (always before the first wrap, and anywhere inside the last multi-token write, e.g. a verify
@@ -32,28 +33,10 @@ from __future__ import annotations
 
 
 import mlx.core as mx
-import numpy as np
 
-from backend.caches.kv import KVSnapshot, LazyKVStorage
+from backend.caches.kv import ContiguousHistory, KVSnapshot, LazyKVStorage
 
 STEP = 256
-
-
-class RotatingHistory:
-    """KV history in storage order plus each slot's logical position (None: slot i is position i)."""
-
-    __slots__ = ("keys", "values", "query_start", "num_queries", "_positions")
-
-    def __init__(self, keys: mx.array, values: mx.array, query_start: int, num_queries: int,
-                 positions: np.ndarray | None):
-        self.keys = keys
-        self.values = values
-        self.query_start = query_start
-        self.num_queries = num_queries
-        self._positions = positions
-
-    def key_positions(self) -> mx.array | None:
-        return None if self._positions is None else mx.array(self._positions, dtype=mx.int32)
 
 
 class RotatingSnapshot(KVSnapshot):
@@ -142,7 +125,7 @@ class RotatingKVCache(LazyKVStorage):
         self._first = self._lo = start
 
     # -- writing -------------------------------------------------------------------------------
-    def update(self, keys: mx.array, values: mx.array) -> RotatingHistory:
+    def update(self, keys: mx.array, values: mx.array) -> ContiguousHistory:
         """Write ``keys``/``values`` ``(B, H, N, D)`` at the current offset."""
         start, n = self._offset, keys.shape[2]
         if n == 1 and self.keys is not None:
@@ -172,16 +155,9 @@ class RotatingKVCache(LazyKVStorage):
         self.values[..., slot:slot + 1, :] = values
         self._lo = new_lo
 
-    def _history(self, start: int, n: int) -> RotatingHistory:
-        s, end = self._slots, self._offset
-        filled = min(s, end - self._first)
-        keys, values = self.keys[..., :filled, :], self.values[..., :filled, :]
-        if self._first == 0 and self._lo == 0 and end <= s:
-            return RotatingHistory(keys, values, start, n, None)  # logical order from 0
-        slots = np.arange(filled)
-        positions = end - 1 - ((end - 1 - self._first - slots) % s)
-        positions = np.where(positions >= self._lo, positions, -1)
-        return RotatingHistory(keys, values, start, n, positions)
+    def _history(self, start: int, n: int) -> ContiguousHistory:
+        keys, values = self._view(self._lo, self._offset)  # logical order, one copy if wrapped
+        return ContiguousHistory(keys, values, start, n, key_start=self._lo)
 
     # -- snapshots -----------------------------------------------------------------------------
     def _new_snapshot(self, start: int, end: int) -> RotatingSnapshot:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 
@@ -184,7 +185,7 @@ class DiskStore:
         try:
             metas = json.loads(_safetensors_metadata(data)["layers"])
             tensors = load_safetensors(data)
-        except (ValueError, KeyError, struct.error) as exc:
+        except (ValueError, KeyError, TypeError, struct.error, SafetensorError) as exc:
             log.warning("prefix cache: %s unreadable (%s); recomputing", entry.node_id, exc)
             return None
         if len(metas) != layers:

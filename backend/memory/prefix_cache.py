@@ -616,11 +616,10 @@ class PrefixCache:
 
     def _evict_device(self, node: TrieNode) -> bool:
         data = node.data
-        if not (data.on_host or data.on_disk):
-            if self.budgets.host_bytes > 0:
-                self._set_host(node, self._records(node))
-            else:
-                self._write_disk(node)
+        if self.budgets.host_bytes > 0 and not data.on_host:
+            self._set_host(node, self._records(node))  # the next tier down, even if on disk
+        elif not (data.on_host or data.on_disk):
+            self._write_disk(node)
         if data.on_host or data.on_disk:
             _close_all(data.device)
             self._drop_device(node)
