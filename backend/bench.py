@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 from backend import blas, kernels
 from backend.api import GenerateRequest
 from backend.engine import Engine
+from backend.memory.budgets import CacheConfig
 from backend.models.loading import load_model
 from backend.tokenizer import Tokenizer
 
@@ -125,7 +126,8 @@ def best_prefill(run_once) -> float:
 
 
 def time_arbor(folder: Path, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:
-    engine = Engine(load_model(folder), Tokenizer.from_folder(folder), folder.name)
+    engine = Engine(load_model(folder), Tokenizer.from_folder(folder), folder.name,
+                    cache=CacheConfig.memory_only())
 
     def generate(ids: list[int], tokens: int):
         engine.clear_cache()  # no prefix reuse between runs
