@@ -2,6 +2,7 @@
 
     arbor                       open the app (terminal chat when there is no display)
     arbor chat [--model M]      terminal chat with history
+    arbor serve [--model M] [--host H] [--port P] [--api-key K]   OpenAI-compatible server
     arbor generate ...          one generation; --json prints one machine-readable object
     arbor models list | import PATH [--name N] [--quantize 4|8] | rm NAME
     arbor bench [--model M] [--against mlx-lm] [--formats float32,bfloat16,4bit] [--hybrid]
@@ -35,6 +36,45 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
 
 
+def _mib(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of MiB >= 0, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    if not (text.isdigit() and int(text) <= 65535):
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}")
+    return int(text)
+
+
+def _cache_args(p: argparse.ArgumentParser) -> None:
+    """The prefix cache's byte budgets, with this machine's defaults in --help."""
+    from backend.memory.budgets import MIB, CacheConfig
+
+    defaults = CacheConfig.default().budgets
+    group = p.add_argument_group("prefix cache (shared by all conversations; 0 turns a tier off)")
+    for tier, default in (("device", defaults.device_bytes), ("host", defaults.host_bytes),
+                          ("disk", defaults.disk_bytes)):
+        group.add_argument(f"--cache-{tier}-mb", type=_mib, metavar="N",
+                           help=f"{tier} tier budget in MiB (default here: {default // MIB})")
+    group.add_argument("--no-disk-cache", action="store_true",
+                       help="keep cached prefixes in memory only (same as --cache-disk-mb 0)")
+
+
+def _cache_config(args: argparse.Namespace):
+    """The ``CacheConfig`` that ``_cache_args`` flags ask for (the machine's defaults else)."""
+    from backend.memory.budgets import CacheConfig
+
+    disk = 0 if args.no_disk_cache else args.cache_disk_mb
+    return CacheConfig.default(device_mb=args.cache_device_mb, host_mb=args.cache_host_mb,
+                               disk_mb=disk)
+
+
 def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
     p.add_argument("--system", help="system prompt")
     p.add_argument("--max-tokens", type=int, default=512)
@@ -57,6 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="terminal chat")
     _model_args(chat)
     _sampling_args(chat, temperature=0.7)
+    _cache_args(chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, "
+                           "/v1/completions, /v1/models)")
+    _model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: 127.0.0.1, this machine only; "
+                       "any other address needs --api-key)")
+    serve.add_argument("--port", type=_port, default=8000, help="port (default: 8000; 0 picks a "
+                       "free one and prints it)")
+    serve.add_argument("--api-key", default=os.environ.get("ARBOR_API_KEY") or None,
+                       metavar="KEY", help="require 'Authorization: Bearer KEY' on every "
+                       "request (default: $ARBOR_API_KEY)")
+    _cache_args(serve)
 
     gen = sub.add_parser("generate", help="generate once and exit")
     _model_args(gen)
@@ -165,7 +219,7 @@ def cmd_chat(args: argparse.Namespace, stdin=None, stdout=None) -> int:
     from backend.errors import ArborError
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
-    engine = Engine.load(args.model, args.dtype)
+    engine = Engine.load(args.model, args.dtype, cache=_cache_config(args))
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     stdout.write(f"arbor chat · {engine.info.name} · /reset clears, /quit leaves, "
@@ -204,6 +258,26 @@ def cmd_chat(args: argparse.Namespace, stdin=None, stdout=None) -> int:
         if done is not None:
             stdout.write(f"\n  [{done.generated_tokens} tokens, {done.decode_tps:.1f} tok/s, "
                          f"{done.cached_tokens}/{done.prompt_tokens} prompt tokens cached]\n")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve until Ctrl-C / SIGTERM; the model loads (and always runs) on the engine thread."""
+    from backend.server import serve
+
+    cache = _cache_config(args)
+
+    def load():
+        from backend.engine import Engine
+
+        return Engine.load(args.model, args.dtype, cache=cache)
+
+    code = serve(load, args.host, args.port, args.api_key,
+                 announce=lambda line: print(line, flush=True))
+    # Everything is written and closed now. MLX, once used from a thread other than the main
+    # one, can abort in its static destructors at interpreter exit; leave without them.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -279,7 +353,7 @@ def cmd_app(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"app": cmd_app, "chat": cmd_chat, "generate": cmd_generate, "models": cmd_models,
-            "bench": cmd_bench}
+            "bench": cmd_bench, "serve": cmd_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
