@@ -52,8 +52,9 @@ class InternalError(Exception):
 
 @dataclass(frozen=True)
 class QueueCounts:
-    """What ``/health`` shows: jobs waiting, whether one runs, and how generations ended
-    (``rejected``: the request's fault, ``failed``: a bug, ``cancelled``: stopped early)."""
+    """What ``/health`` shows: jobs waiting to run (a cancelled one no longer counts), whether
+    one runs, and how generations ended (``rejected``: the request's fault, ``failed``: a bug,
+    ``cancelled``: stopped early or never started)."""
 
     waiting: int
     running: bool
@@ -120,7 +121,8 @@ class EngineThread:
 
     def counts(self) -> QueueCounts:
         with self._lock:
-            return QueueCounts(waiting=len(self._waiting), running=self._running is not None,
+            waiting = sum(not job.cancel.is_set() for job in self._waiting)
+            return QueueCounts(waiting=waiting, running=self._running is not None,
                                **self._counts)
 
     # The tokenizer holds no MLX state and Hugging Face tokenizers may be used from any
