@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from backend import kernels
@@ -65,11 +66,31 @@ def test_attention_softmax_is_stable_for_large_scores(K):
 
 
 def test_attention_falls_back_when_it_does_not_apply(K):
-    q = mx.random.normal((1, 2, 9, 16))  # more queries than a decode/verify block
+    q = mx.random.normal((1, 2, 17, 16))  # more queries than a decode/verify block
     k = v = mx.random.normal((1, 2, 20, 16))
     assert K.attention(q, k, v, 0.25, True) is None
     assert K.attention(q[:, :, :1].astype(mx.bfloat16), k.astype(mx.bfloat16),
                        v.astype(mx.bfloat16), 0.25, False) is None
+
+
+@pytest.mark.parametrize("window", [None, 5, 11])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)])
+def test_attention_queries_are_reduced_alike_whatever_their_count(K, window, heads):
+    """Row invariance: M causal queries (a verify block) give bit for bit what M one-query
+    calls give, each over its own visible keys (the last ``window`` when windowed)."""
+    hq, hkv = heads
+    L = 27
+    q = mx.random.normal((1, hq, 16, 24))
+    k, v = mx.random.normal((1, hkv, L, 24)), mx.random.normal((1, hkv, L, 24))
+    for m in range(1, 17):
+        block = np.array(K.attention(q[:, :, :m], k[:, :, :L - 16 + m], v[:, :, :L - 16 + m],
+                                     0.3, True, window))
+        for i in range(m):
+            end = L - 16 + i + 1  # keys query i sees end at its own position
+            start = 0 if window is None else max(0, end - window)
+            one = np.array(K.attention(q[:, :, i:i + 1], k[:, :, start:end], v[:, :, start:end],
+                                       0.3, False))
+            np.testing.assert_array_equal(block[:, :, i:i + 1], one, err_msg=f"M={m} row {i}")
 
 
 def test_attention_argument_errors(K):

@@ -252,3 +252,29 @@ def test_dequantize_argument_errors_and_fallback(K):
     # bf16 scales (not the kernel's layout): MLX's own dequantize, as float32.
     got = K.dequantize(wq, s.astype(mx.bfloat16), b.astype(mx.bfloat16), 32, 4)
     assert got.dtype == mx.float32
+
+
+@pytest.mark.parametrize("dtype,k", [(d, k) for d in ("float32", "bfloat16", "float16")
+                                     for k in (64, 577, 1001)]
+                         + [(d, k) for d in ("q4", "q8") for k in (64, 576, 992)])
+def test_rows_are_reduced_alike_whatever_the_row_count(K, dtype, k):
+    """Row invariance: a product of M <= 16 rows equals, bit for bit, M one-row products (a
+    speculative verify block then gives exactly the logits of one-token decode steps)."""
+    x = mx.random.normal((16, k))
+    w = mx.random.normal((37, k)) * 0.1
+    if dtype in ("q4", "q8"):
+        bits = int(dtype[1])
+        wq, scales, biases = mx.quantize(w, group_size=32 if k % 64 else 64, bits=bits)
+        group = 32 if k % 64 else 64
+
+        def product(rows):
+            return K.matvec_q(rows, wq, scales, biases, group, bits)
+    else:
+        wt = w.astype(getattr(mx, dtype))
+
+        def product(rows):
+            return K.matvec(rows, wt)
+
+    singles = np.concatenate([np.array(product(x[i:i + 1])) for i in range(16)])
+    for m in range(1, 17):
+        np.testing.assert_array_equal(np.array(product(x[:m])), singles[:m], err_msg=f"M={m}")

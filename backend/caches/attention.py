@@ -95,24 +95,30 @@ def query_blocks(history: KVHistory, mask: AttentionMask) -> list[_KeyRange] | N
     return blocks
 
 
+def _native_attention(queries: mx.array, history: KVHistory, mask: AttentionMask,
+                      scale: float) -> mx.array | None:
+    if mask.kind == "none":
+        return kernels.attention(queries, history.keys, history.values, scale, causal=False)
+    if history.keys.shape[2] != history.query_start + history.num_queries - history.key_start:
+        return None  # keys beyond the last query: not the kernel's causal alignment
+    return kernels.attention(queries, history.keys, history.values, scale, causal=True,
+                             window=mask.window)
+
+
 def scaled_dot_product_attention(queries: mx.array, history: KVHistory, mask: AttentionMask,
                                  scale: float, key_padding: mx.array | None = None,
                                  native: bool = False) -> mx.array:
     """``queries`` (B, n_heads, Q, D) against the cache history -> (B, n_heads, Q, Dv).
 
-    ``native``: a few float32 queries (decode, verification) whose mask is "all keys" or
-    "causal" go to the native CPU attention kernel when it is built.
+    ``native``: a few float32 queries (decode, verification) go to the native CPU attention
+    kernel when it is built and the keys end at the last query (always, for a cache's own
+    history); it reduces each query over exactly its visible keys, so a verify block's rows
+    equal one-token decode steps bit for bit, sliding windows included.
     """
     if native and key_padding is None and queries.shape[2] <= kernels.MAX_ATTENTION_QUERIES:
-        mask_arg = attention_mask(history, mask)
-        if mask_arg is None or isinstance(mask_arg, str):
-            out = kernels.attention(queries, history.keys, history.values, scale,
-                                    causal=mask_arg == "causal")
-            if out is not None:
-                return out
-        # A boolean mask (e.g. a wrapped sliding window): MLX, with the mask just built.
-        return mx.fast.scaled_dot_product_attention(
-            queries, history.keys, history.values, scale=scale, mask=mask_arg)
+        out = _native_attention(queries, history, mask, scale)
+        if out is not None:
+            return out
     blocks = None if key_padding is not None else query_blocks(history, mask)
     if blocks is not None:
         outs = []

@@ -34,8 +34,10 @@ import mlx.core as mx
 #: chunk C x C work stays below the state work.
 CHUNK = 64
 
-#: Writes of at most this many tokens use the per-token recurrence (decode, verify blocks).
-RECURRENT_MAX_TOKENS = 8
+#: Writes of at most this many tokens use the per-token recurrence (decode, verify blocks): the
+#: same compiled step as one-token writes, so a verify block's states and outputs equal
+#: decode steps bit for bit (the chunked form reduces in another order).
+RECURRENT_MAX_TOKENS = 16
 
 #: Writes of at least this many tokens split a layer's heads over ``CPU_STREAMS`` streams.
 PARALLEL_MIN_TOKENS = 64

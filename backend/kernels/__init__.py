@@ -181,8 +181,10 @@ def matvec_q(x: Any, wq: Any, scales: Any, biases: Any, group_size: int = 64, bi
     return _mod().matvec_q(x, wq, scales, biases, int(group_size), int(bits))
 
 
-#: Most rows of x (product of its leading dims) that ``linear`` sends to the kernel.
-MAX_KERNEL_ROWS = 8
+#: Most rows of x (product of its leading dims) that ``linear`` sends to the kernel. Up to
+#: here every row is reduced exactly as a one-row product would be, so a speculative verify
+#: block (the current token and up to 15 drafts) gives bit for bit the logits of decode steps.
+MAX_KERNEL_ROWS = 16
 
 #: The same for ``quantized_linear``: its alternative first dequantizes the whole matrix, so
 #: the kernel stays ahead for longer (measured crossover ~32 rows for a 1536 x 576 4-bit matrix).
@@ -275,8 +277,9 @@ def dequantize(wq: Any, scales: Any, biases: Any, group_size: int = 64, bits: in
     return mx.dequantize(wq, scales, biases, group_size, bits).astype(mx.float32)
 
 
-#: Most query rows per head that ``attention`` sends to the kernel (decode, verify blocks).
-MAX_ATTENTION_QUERIES = 8
+#: Most query rows per head that ``attention`` sends to the kernel (decode, verify blocks);
+#: each query is reduced over exactly its visible keys, as a one-query call would.
+MAX_ATTENTION_QUERIES = 16
 
 #: Largest input (elements) ``rms_norm`` / ``rope`` send to the kernels: decode-sized work,
 #: where MLX's composed CPU fallbacks cost a dispatch per op. Prefill keeps MLX.
@@ -289,16 +292,18 @@ def _f32_on_cpu(*arrays: Any) -> bool:
     return all(a.dtype == mx.float32 for a in arrays) and available() and _on_cpu()
 
 
-def attention(q: Any, k: Any, v: Any, scale: float, causal: bool) -> Any | None:
+def attention(q: Any, k: Any, v: Any, scale: float, causal: bool,
+              window: int | None = None) -> Any | None:
     """``softmax(scale * q @ k.T) @ v`` through the kernel, or None when it does not apply
     (then use MLX). q (B, Hq, M, D), k/v (B, Hkv, L, D|Dv); ``causal`` is aligned to the
-    last key (query i sees keys 0 .. L - M + i), as MLX's ``mask="causal"``."""
+    last key (query i sees keys 0 .. L - M + i), as MLX's ``mask="causal"``; ``window``
+    (causal only) keeps the last ``window`` of those."""
     if (
         q.ndim == 4 and k.ndim == 4 and v.ndim == 4
         and q.shape[2] <= MAX_ATTENTION_QUERIES
         and _f32_on_cpu(q, k, v)
     ):
-        return _module.attention(q, k, v, float(scale), bool(causal))
+        return _module.attention(q, k, v, float(scale), bool(causal), int(window or 0))
     return None
 
 

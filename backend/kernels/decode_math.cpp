@@ -99,10 +99,11 @@ ARBOR_CLONES float exp_shifted(float* __restrict scores, int64_t n, float max) {
 }
 
 // out_r[0:Dv] = sum_j p_r[j] * v[j * ldv + 0:Dv] / norm[r] for the R rows that
-// share these values (row r uses its first n[r] values; n ascending), so each
+// share these values (row r uses values lo[r] .. n[r]-1; n ascending), so each
 // value row is read once for all of them.
 ARBOR_CLONES void weighted_rows(const float* __restrict p, int64_t ldp, int64_t R,
-                                const int64_t* n, const float* __restrict v, int64_t ldv,
+                                const int64_t* lo, const int64_t* n,
+                                const float* __restrict v, int64_t ldv,
                                 int64_t Dv, const float* norm, float* __restrict out) {
   for (int64_t i = 0; i < R * Dv; ++i) out[i] = 0.0f;
   const int64_t vec = Dv / W * W;
@@ -111,6 +112,7 @@ ARBOR_CLONES void weighted_rows(const float* __restrict p, int64_t ldp, int64_t 
     while (n[first] <= j) ++first;
     const float* row = v + j * ldv;
     for (int64_t r = first; r < R; ++r) {
+      if (j < lo[r]) continue;
       const float pj = p[r * ldp + j];
       float* o = out + r * Dv;
       for (int64_t d = 0; d < vec; d += W) store8(o + d, load8(o + d) + pj * load8(row + d));
@@ -128,6 +130,7 @@ struct AttentionJob {
   int64_t Hq, Hkv, M, L, D, Dv;
   float scale;
   bool causal;
+  int64_t window;  // 0: none
   float* out;
 };
 
@@ -144,8 +147,8 @@ void attend_group(const AttentionJob& j, int64_t bk, std::vector<float>& buf) {
   float* out = scores + R * ldp;
   float* sums = out + R * j.Dv;
   // Row r = (m, g), pre-scaled; rows sorted by visible keys (query m sees
-  // L - M + m + 1 when causal).
-  std::vector<int64_t> n(static_cast<size_t>(R));
+  // keys lo .. L - M + m when causal, lo = the window's first).
+  std::vector<int64_t> n(static_cast<size_t>(R)), lo(static_cast<size_t>(R));
   std::vector<float> q(static_cast<size_t>(R * j.D));
   for (int64_t m = 0; m < j.M; ++m)
     for (int64_t g = 0; g < G; ++g) {
@@ -153,18 +156,21 @@ void attend_group(const AttentionJob& j, int64_t bk, std::vector<float>& buf) {
       const float* src = j.q.p + b * j.q.s0 + h * j.q.s1 + m * j.q.s2;
       for (int64_t d = 0; d < j.D; ++d) q[r * j.D + d] = src[d] * j.scale;
       n[r] = j.causal ? j.L - j.M + m + 1 : j.L;
+      lo[r] = j.window > 0 ? std::max<int64_t>(0, n[r] - j.window) : 0;
     }
   // Scores of all rows against all keys are a matrix-vector product with the
   // keys as weight rows: the matvec kernels read each key row once for all R rows.
   best_isa().dense_rows[static_cast<int>(WType::f32)](q.data(), j.D, R, j.D, k, j.k.s2, scores,
                                                       ldp, 0, n[R - 1]);
   for (int64_t r = 0; r < R; ++r) {
-    float* s = scores + r * ldp;
+    // From the row's first visible key, so its lanes line up as in a one-query call.
+    float* s = scores + r * ldp + lo[r];
+    const int64_t count = n[r] - lo[r];
     float max = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < n[r]; ++t) max = s[t] > max ? s[t] : max;
-    sums[r] = exp_shifted(s, n[r], max);
+    for (int64_t t = 0; t < count; ++t) max = s[t] > max ? s[t] : max;
+    sums[r] = exp_shifted(s, count, max);
   }
-  weighted_rows(scores, ldp, R, n.data(), v, j.v.s2, j.Dv, sums, out);
+  weighted_rows(scores, ldp, R, lo.data(), n.data(), v, j.v.s2, j.Dv, sums, out);
   for (int64_t m = 0; m < j.M; ++m)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t h = hk * G + g;
@@ -245,8 +251,9 @@ ARBOR_CLONES void rope_row(const float* __restrict x, float* __restrict out, int
 }  // namespace
 
 void attention(View3 q, View3 k, View3 v, int64_t B, int64_t Hq, int64_t Hkv, int64_t M,
-               int64_t L, int64_t D, int64_t Dv, float scale, bool causal, float* out) {
-  AttentionJob job{q, k, v, Hq, Hkv, M, L, D, Dv, scale, causal, out};
+               int64_t L, int64_t D, int64_t Dv, float scale, bool causal, int64_t window,
+               float* out) {
+  AttentionJob job{q, k, v, Hq, Hkv, M, L, D, Dv, scale, causal, window, out};
   const int64_t groups = B * Hkv;
   // Below ~256k multiply-adds a pool hand-off costs more than it saves.
   const int64_t work = B * Hq * M * L * (D + Dv);

@@ -53,23 +53,24 @@ void register_io(mx::Stream stream, const std::vector<mx::array>& inputs, mx::ar
 
 class Attention : public mx::UnaryPrimitive {
  public:
-  Attention(mx::Stream s, float scale, bool causal)
-      : mx::UnaryPrimitive(s), scale_(scale), causal_(causal) {}
+  Attention(mx::Stream s, float scale, bool causal, int64_t window)
+      : mx::UnaryPrimitive(s), scale_(scale), causal_(causal), window_(window) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     alloc_out(out);
     register_io(stream(), inputs, out);
     const float scale = scale_;
     const bool causal = causal_;
+    const int64_t window = window_;
     mx::cpu::get_command_encoder(stream()).dispatch(
         [q = mx::array::unsafe_weak_copy(inputs[0]), k = mx::array::unsafe_weak_copy(inputs[1]),
          v = mx::array::unsafe_weak_copy(inputs[2]), out = mx::array::unsafe_weak_copy(out),
-         scale, causal]() mutable {
+         scale, causal, window]() mutable {
           if (out.size() == 0) return;
           std::vector<char> qs, ks, vs;
           attention(view_of(q, qs), view_of(k, ks), view_of(v, vs), q.shape(0), q.shape(1),
                     k.shape(1), q.shape(2), k.shape(2), q.shape(3), v.shape(3), scale, causal,
-                    out.data<float>());
+                    window, out.data<float>());
         });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -78,7 +79,7 @@ class Attention : public mx::UnaryPrimitive {
   const char* name() const override { return "ArborAttention"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Attention&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_;
+    return scale_ == o.scale_ && causal_ == o.causal_ && window_ == o.window_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {{inputs[0].shape(0), inputs[0].shape(1), inputs[0].shape(2), inputs[2].shape(3)}};
@@ -87,6 +88,7 @@ class Attention : public mx::UnaryPrimitive {
  private:
   float scale_;
   bool causal_;
+  int64_t window_;
 };
 
 class RmsNorm : public mx::UnaryPrimitive {
@@ -211,20 +213,21 @@ void require_f32(const char* op, const mx::array& a, const char* what) {
 }  // namespace
 
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                    bool causal, mx::StreamOrDevice s) {
+                    bool causal, int64_t window, mx::StreamOrDevice s) {
   for (auto [a, what] : {std::pair{&q, "q"}, std::pair{&k, "k"}, std::pair{&v, "v"}})
     require_f32("attention", *a, what);
   const bool ok = q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && k.shape(0) == q.shape(0) &&
       v.shape(0) == q.shape(0) && k.shape(1) == v.shape(1) && k.shape(1) > 0 &&
       q.shape(1) % k.shape(1) == 0 && k.shape(2) == v.shape(2) && k.shape(3) == q.shape(3) &&
-      (!causal || k.shape(2) >= q.shape(2));
+      (!causal || k.shape(2) >= q.shape(2)) && window >= 0 && (window == 0 || causal);
   if (!ok)
     throw std::invalid_argument(
         "[arbor.attention] expected q (B, Hq, M, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv) with "
-        "Hq a multiple of Hkv (and L >= M when causal); got q " + shape_str(q) + ", k " +
+        "Hq a multiple of Hkv (and L >= M when causal; a window only when causal); got q " +
+        shape_str(q) + ", k " +
         shape_str(k) + ", v " + shape_str(v) + ".");
   mx::Shape shape{q.shape(0), q.shape(1), q.shape(2), v.shape(3)};
-  return mx::array(shape, mx::float32, std::make_shared<Attention>(cpu_stream(s), scale, causal),
+  return mx::array(shape, mx::float32, std::make_shared<Attention>(cpu_stream(s), scale, causal, window),
                    {q, k, v});
 }
 

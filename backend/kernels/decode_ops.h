@@ -8,10 +8,11 @@
 namespace arbor {
 namespace mx = mlx::core;
 
-// softmax(scale * q k^T [causal, aligned to the last key]) v for float32
+// softmax(scale * q k^T [causal, aligned to the last key; only the last
+// `window` keys of each query when window > 0]) v for float32
 // q (B, Hq, M, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv) -> (B, Hq, M, Dv).
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
-                    bool causal, mx::StreamOrDevice s = {});
+                    bool causal, int64_t window = 0, mx::StreamOrDevice s = {});
 
 // mx.fast.rms_norm for float32 x (..., H) and weight (H,) or none.
 mx::array rms_norm(const mx::array& x, const mx::array* weight, float eps,

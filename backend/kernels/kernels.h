@@ -85,9 +85,12 @@ struct View3 {
 // out (B, Hq, M, Dv), contiguous = softmax(scale * q k^T [causal]) v for
 // q (B, Hq, M, D), k (B, Hkv, L, D), v (B, Hkv, L, Dv); query head h reads kv
 // head h / (Hq / Hkv). Causal is aligned to the last key: query i sees keys
-// 0 .. L - M + i (requires L >= M).
+// 0 .. L - M + i (requires L >= M); with window > 0 only the last `window` of
+// those. Each query reduces over exactly its visible keys, in order, whatever M
+// is: M queries give bit for bit what M one-query calls give.
 void attention(View3 q, View3 k, View3 v, int64_t B, int64_t Hq, int64_t Hkv, int64_t M,
-               int64_t L, int64_t D, int64_t Dv, float scale, bool causal, float* out);
+               int64_t L, int64_t D, int64_t Dv, float scale, bool causal, int64_t window,
+               float* out);
 
 // out (rows x H) = silu(g) * u for rows of g and u at row strides ldg / ldu
 // (threaded when large).

@@ -69,39 +69,35 @@ inline void dense_tile(
     }
 }
 
-// All x rows against ROWS weight rows, in tiles of at most V::MT_F32 x rows.
-template <typename WT, int ROWS, int U>
+// All x rows against one weight row, in tiles of at most V::MT_F32 x rows, each
+// row with U = 4 accumulators along K. Every x row is reduced in the same order
+// whatever M is and wherever it sits in its tile, so a product of M rows equals,
+// bit for bit, M one-row products: a verify block of draft tokens gives exactly
+// the logits of one-token decode steps (tests/test_kernels.py pins it).
+template <typename WT>
 inline void dense_rows_x(
-    const float* x, int64_t ldx, int64_t M, int64_t K, const WT* w,
-    int64_t ldw, float* out, int64_t ldo) {
+    const float* x, int64_t ldx, int64_t M, int64_t K, const WT* w, float* out, int64_t ldo) {
+  constexpr int U = 4;
   int64_t m = 0;
   for (; m + V::MT_F32 <= M; m += V::MT_F32)
-    dense_tile<WT, ROWS, V::MT_F32, 1>(x + m * ldx, ldx, K, w, ldw, out + m * ldo, ldo);
+    dense_tile<WT, 1, V::MT_F32, U>(x + m * ldx, ldx, K, w, 0, out + m * ldo, ldo);
   switch (M - m) {
-    case 1: dense_tile<WT, ROWS, 1, U>(x + m * ldx, ldx, K, w, ldw, out + m * ldo, ldo); break;
-    case 2: dense_tile<WT, ROWS, 2, 1>(x + m * ldx, ldx, K, w, ldw, out + m * ldo, ldo); break;
-    case 3: dense_tile<WT, ROWS, 3, 1>(x + m * ldx, ldx, K, w, ldw, out + m * ldo, ldo); break;
+    case 1: dense_tile<WT, 1, 1, U>(x + m * ldx, ldx, K, w, 0, out + m * ldo, ldo); break;
+    case 2: dense_tile<WT, 1, 2, U>(x + m * ldx, ldx, K, w, 0, out + m * ldo, ldo); break;
+    case 3: dense_tile<WT, 1, 3, U>(x + m * ldx, ldx, K, w, 0, out + m * ldo, ldo); break;
     default: break;
   }
 }
 
-// Weight rows per tile. For one to four rows of x, one weight row at a time
-// (four accumulators along K for a single x row) keeps each thread on a single
-// sequential stream, which the hardware prefetcher follows best: ~22 GB/s vs
-// ~14-17 GB/s for 4 or 8 interleaved rows. From five x rows on the product is
-// compute bound, and four weight rows per tile share every x load.
+// One weight row at a time keeps each thread on a single sequential stream, which
+// the hardware prefetcher follows best (~22 GB/s vs ~14-17 GB/s for 4 or 8
+// interleaved rows); the x tiles re-read that row from L1.
 template <typename WT>
 void dense_rows(
     const float* x, int64_t ldx, int64_t M, int64_t K, const void* wv,
     int64_t ldw, float* out, int64_t ldo, int64_t n0, int64_t n1) {
   const WT* w = static_cast<const WT*>(wv);
-  int64_t n = n0;
-  if (M > 4) {
-    for (; n + 4 <= n1; n += 4)
-      dense_rows_x<WT, 4, 1>(x, ldx, M, K, w + n * ldw, ldw, out + n, ldo);
-  }
-  for (; n < n1; ++n)
-    dense_rows_x<WT, 1, 4>(x, ldx, M, K, w + n * ldw, ldw, out + n, ldo);
+  for (int64_t n = n0; n < n1; ++n) dense_rows_x<WT>(x, ldx, M, K, w + n * ldw, out + n, ldo);
 }
 
 #define ARBOR_DENSE_ROWS {&dense_rows<float>, &dense_rows<arbor::bf16_t>, &dense_rows<arbor::f16_t>}

@@ -354,12 +354,15 @@ NB_MODULE(_arbor_kernels, m) {
         [](const mx::array& g, const mx::array& u) { return arbor::silu_mul(g, u); },
         nb::arg("g"), nb::arg("u"), "silu(g) * u for float32 g and u of one shape.");
   m.def("attention",
-        [](const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal) {
-          return arbor::attention(q, k, v, scale, causal);
+        [](const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
+           int64_t window) {
+          return arbor::attention(q, k, v, scale, causal, window);
         },
         nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("scale"), nb::arg("causal"),
-        "softmax(scale * q @ k.T [causal, aligned to the last key]) @ v for float32 q (B, Hq, M, D), "
-        "k (B, Hkv, L, D), v (B, Hkv, L, Dv) -> (B, Hq, M, Dv).");
+        nb::arg("window") = 0,
+        "softmax(scale * q @ k.T [causal, aligned to the last key; only the last `window` keys "
+        "when window > 0]) @ v for float32 q (B, Hq, M, D), k (B, Hkv, L, D), "
+        "v (B, Hkv, L, Dv) -> (B, Hq, M, Dv).");
   m.def("rms_norm",
         [](const mx::array& x, std::optional<mx::array> w, float eps) {
           return arbor::rms_norm(x, w ? &*w : nullptr, eps);

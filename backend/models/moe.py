@@ -37,6 +37,9 @@ from backend.models.layers import ACTIVATIONS, GatedMLP
 #: (one sync per MoE layer per prefill chunk).
 GROUPED_PAIRS_PER_EXPERT = 2
 
+#: Writes of at most this many tokens always take the per-pair path (see SwitchGLU).
+VERIFY_ROWS = 16
+
 
 class SwitchLinear(nn.Module):
     """``experts`` stacked linear maps without bias: weight ``(experts, out, in)``."""
@@ -103,7 +106,10 @@ class SwitchGLU(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """``x`` (..., D), ``indices`` (..., k) -> (..., k, D): each token through its k experts."""
-        if indices.size >= GROUPED_PAIRS_PER_EXPERT * self.num_experts:
+        tokens = indices.size // indices.shape[-1]
+        # Few tokens (decode, a verify block): one product per token-expert pair, computed
+        # alike for every token, so a block's rows equal one-token steps bit for bit.
+        if tokens > VERIFY_ROWS and indices.size >= GROUPED_PAIRS_PER_EXPERT * self.num_experts:
             return self._grouped(x, indices)
         h = mx.expand_dims(x, (-2, -3))  # (..., 1, 1, D)
         gate = self.gate_proj(h, indices)
