@@ -68,11 +68,15 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
 
 def _cache_config(args: argparse.Namespace):
     """The ``CacheConfig`` that ``_cache_args`` flags ask for (the machine's defaults else)."""
+    from dataclasses import replace
+
     from backend.memory.budgets import CacheConfig
 
     disk = 0 if args.no_disk_cache else args.cache_disk_mb
-    return CacheConfig.default(device_mb=args.cache_device_mb, host_mb=args.cache_host_mb,
-                               disk_mb=disk)
+    config = CacheConfig.default(device_mb=args.cache_device_mb, host_mb=args.cache_host_mb,
+                                 disk_mb=disk)
+    # No disk budget: no disk tier at all (nothing read from or written to the cache dir).
+    return replace(config, directory=None) if config.budgets.disk_bytes == 0 else config
 
 
 def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:

@@ -200,6 +200,9 @@ BAD_REQUESTS = {
     "unknown model": (CHAT, body(model="gpt-4"), 404, "model", "model_not_found", "gpt-4"),
     "prompt too long": (CHAT, body(messages=[{"role": "user", "content": "word " * 300}]), 400,
                         "messages", "context_length_exceeded", "512"),
+    "streamed prompt too long": (CHAT, body(stream=True, messages=[
+        {"role": "user", "content": "word " * 300}]), 400, "messages",
+        "context_length_exceeded", "512"),
     "ids too long": (COMPLETIONS, {"model": MODEL, "prompt": [5] * 600}, 400, "prompt",
                      "context_length_exceeded", "600"),
     "id out of vocabulary": (COMPLETIONS, {"model": MODEL, "prompt": [5, 100000]}, 400, None,
@@ -226,6 +229,20 @@ def test_a_bad_request_gets_its_error_and_the_server_keeps_serving(shared, case)
     assert (error["param"], error["code"]) == (param, code)
     assert words in error["message"] and "\n" not in error["message"]
     assert chat(shared, max_tokens=1).choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_body_announced_over_the_limit_is_refused_before_it_is_read(shared):
+    conn = connection(shared.url)  # says 1 GB, sends a few bytes: only the header can tell
+    try:
+        conn.putrequest("POST", CHAT)
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(10**9))
+        conn.endheaders(b'{"model": ')
+        response = conn.getresponse()
+        assert response.status == 413
+        assert json.loads(response.read())["error"]["code"] == "request_too_large"
+    finally:
+        conn.close()
 
 
 def test_a_chunked_body_over_the_limit_is_refused_while_it_arrives(shared):

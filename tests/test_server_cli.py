@@ -52,9 +52,10 @@ def test_cache_flags_set_the_budgets(command):
     assert (config.budgets.device_bytes, config.budgets.host_bytes,
             config.budgets.disk_bytes) == (64 * MIB, 0, 100 * MIB)
     assert config.directory == defaults.directory
-    memory_only = _cache_config(parse([command, "--no-disk-cache"]))
-    assert memory_only.budgets.disk_bytes == 0 and memory_only.directory is None
-    assert memory_only.budgets.device_bytes == defaults.budgets.device_bytes
+    for flags in (["--no-disk-cache"], ["--cache-disk-mb", "0"]):
+        memory_only = _cache_config(parse([command, *flags]))
+        assert memory_only.budgets.disk_bytes == 0 and memory_only.directory is None
+        assert memory_only.budgets.device_bytes == defaults.budgets.device_bytes
 
 
 def test_chat_takes_the_same_cache_flags(tiny_model_dir):
