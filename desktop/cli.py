@@ -19,7 +19,10 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from backend.memory.budgets import CacheConfig
 
 EXIT_USAGE = 2
 
@@ -66,7 +69,7 @@ def _cache_args(p: argparse.ArgumentParser) -> None:
                        help="keep cached prefixes in memory only (same as --cache-disk-mb 0)")
 
 
-def _cache_config(args: argparse.Namespace):
+def _cache_config(args: argparse.Namespace) -> CacheConfig:
     """The ``CacheConfig`` that ``_cache_args`` flags ask for (the machine's defaults else)."""
     from dataclasses import replace
 

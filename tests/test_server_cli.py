@@ -19,6 +19,13 @@ from backend.server.run import is_loopback
 from desktop.cli import _cache_config, build_parser, cmd_chat, main
 from tests.fixtures.server import WAIT_S, get_json
 from tests.test_cli import assert_one_line_error
+from tests.test_installed_dependencies import runtime_closure
+
+
+def test_the_server_comes_with_a_plain_install():
+    closure = runtime_closure("arbor-chat")
+    assert {"fastapi", "uvicorn", "starlette", "pydantic"} <= set(closure), sorted(closure)
+    assert "openai" not in closure  # only the tests talk to it with the client
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.0.2.7"])
