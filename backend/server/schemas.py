@@ -10,9 +10,9 @@ means the default, as for an absent field. Extensions beyond OpenAI: ``top_k``, 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from backend.api import GenerateRequest, SamplingParams
 
@@ -75,12 +75,16 @@ class _Generation(_Body):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = None
 
-    @field_validator("n")
+    # Fields that can ask for what Arbor cannot do: the values it takes, and why not others.
+    ONLY: ClassVar[dict[str, tuple[tuple, str]]] = {"n": ((None, 1), "only n=1 is supported")}
+
+    @field_validator("*")
     @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        if n is not None and n != 1:
-            raise ValueError(f"only n=1 is supported, got {n}")
-        return n
+    def _supported(cls, value: Any, info: ValidationInfo) -> Any:
+        rule = cls.ONLY.get(info.field_name or "")
+        if rule is not None and value not in rule[0]:
+            raise ValueError(f"{rule[1]}, got {value!r}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -119,12 +123,8 @@ class ChatCompletionRequest(_Generation):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, top: int | None) -> int | None:
-        if top:
-            raise ValueError("top_logprobs is not supported (only the sampled token's logprob)")
-        return top
+    ONLY = {**_Generation.ONLY, "top_logprobs": (
+        (None, 0), "top_logprobs is not supported (only the sampled token's logprob)")}
 
     def generate_request(self, context_length: int) -> GenerateRequest:
         limit = (self.max_completion_tokens if self.max_completion_tokens is not None
@@ -147,33 +147,11 @@ class CompletionRequest(_Generation):
     suffix: str | None = None
     best_of: int | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _sampled_token_only(cls, logprobs: int | None) -> int | None:
-        if logprobs:
-            raise ValueError("only logprobs=0 is supported (the sampled token's logprob)")
-        return logprobs
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool | None) -> bool | None:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, suffix: str | None) -> str | None:
-        if suffix:
-            raise ValueError("suffix is not supported")
-        return suffix
-
-    @field_validator("best_of")
-    @classmethod
-    def _one_candidate(cls, best_of: int | None) -> int | None:
-        if best_of is not None and best_of != 1:
-            raise ValueError(f"only best_of=1 is supported, got {best_of}")
-        return best_of
+    ONLY = {**_Generation.ONLY,
+            "logprobs": ((None, 0), "only logprobs=0 is supported (the sampled token's logprob)"),
+            "echo": ((None, False), "echo is not supported"),
+            "suffix": ((None, ""), "suffix is not supported"),
+            "best_of": ((None, 1), "only best_of=1 is supported")}
 
     def generate_request(self, context_length: int, encode) -> GenerateRequest:
         """``encode(text) -> ids``: a string prompt is fed as its tokens (no chat template)."""
