@@ -36,7 +36,7 @@ import mlx.core as mx
 
 from backend.api import CacheStats, DoneEvent, GenerateRequest, ModelInfo, TokenEvent
 from backend.errors import ContextLengthError, InvalidRequestError
-from backend.memory.budgets import CacheConfig
+from backend.memory.budgets import CacheBudgets, CacheConfig
 from backend.memory.disk import DiskStore
 from backend.memory.fingerprint import model_fingerprint
 from backend.memory.prefix_cache import PrefixCache
@@ -80,7 +80,7 @@ class Engine:
 
     def _prefix_cache(self, config: CacheConfig) -> PrefixCache:
         disk = None
-        if config.directory is not None and config.budgets.disk_bytes > 0:
+        if config.directory is not None:
             folder = Path(self.loaded.folder)
             fingerprint = model_fingerprint(
                 folder, weight_files(folder), str(self.loaded.dtype).replace("mlx.core.", ""),
@@ -147,6 +147,12 @@ class Engine:
             return self.prefix.prefetch(ids, should_stop=stop)
         finally:
             self._busy.release()
+
+    def set_cache_budgets(self, budgets: CacheBudgets) -> None:
+        """New byte budgets for the prefix cache's tiers, applied at once (copies move down or
+        go until each tier fits). A disk tier needs a cache directory (``CacheConfig``)."""
+        with self._busy:
+            self.prefix.set_budgets(budgets)
 
     def clear_cache(self) -> None:
         """Forget every stored prefix, on every tier (the next request prefills from scratch)."""

@@ -84,6 +84,7 @@ def create_app(
     """Build the store, worker, model-task thread, theme and main window (not yet shown)."""
     import backend  # noqa: F401  (loads the system BLAS before the worker imports mlx.core)
     from desktop import paths
+    from desktop.cache_settings import stored_budgets
     from desktop.model_tasks import ModelTaskRunner
     from desktop.store import ChatStore
     from desktop.ui.main_window import MainWindow
@@ -94,7 +95,10 @@ def create_app(
     store = store if store is not None else ChatStore(paths.database_path())
     choice = theme or store.app_setting(THEME_KEY, "system")
     theme_manager = ThemeManager(app, choice if choice in ("system", "light", "dark") else "system")
-    client = InferenceClient(loader or load_engine, updates_per_second=updates_per_second or DEFAULT_UPDATES_PER_SECOND)
+    if loader is None:
+        def loader(ref):  # the prefix cache's budgets as the user last set them
+            return load_engine(ref, stored_budgets(store))
+    client = InferenceClient(loader, updates_per_second=updates_per_second or DEFAULT_UPDATES_PER_SECOND)
     tasks = ModelTaskRunner()
     window = MainWindow(store, client, tasks, theme_manager, model_ref=model, load_model=load_model)
     return AppParts(app, store, client, tasks, theme_manager, window)

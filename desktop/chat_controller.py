@@ -196,6 +196,17 @@ class ChatController(QObject):
         for request_id in list(self._replies) + list(self._titles):
             self.client.cancel(request_id)
 
+    def prefetch(self, conversation_id: int) -> int | None:
+        """Warm the prefix cache for a conversation the user just opened (its stored state moves
+        towards the device while they type); the next reply cancels it. Returns the request
+        id, or None when there is nothing to prefetch."""
+        conversation = self.store.conversation(conversation_id)
+        if self.model_info is None or conversation.current_leaf_id is None:
+            return None
+        settings = self.store.settings(conversation_id)
+        messages = prompt_messages(settings, self.store.lineage(conversation.current_leaf_id))
+        return self.client.prefetch(messages) if messages else None
+
     # -- replies ---------------------------------------------------------------------------------
 
     def _start_reply(self, user: Message) -> int:

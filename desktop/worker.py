@@ -23,15 +23,19 @@ Threading contract
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Callable, Iterator, Protocol
 
 from desktop import qt_compat  # noqa: F401,I001  (before any signal is emitted; see the module)
-from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtCore import QObject, Qt, Signal, Slot
 
-from backend.api import DoneEvent, GenerateRequest, ModelInfo, TokenEvent
+from backend.api import CacheStats, DoneEvent, GenerateRequest, ModelInfo, TokenEvent
+from backend.memory.budgets import CacheBudgets
 from desktop.worker_handle import Worker, WorkerHandle, describe_error  # noqa: F401 (re-exported)
+
+log = logging.getLogger(__name__)
 
 DEFAULT_UPDATES_PER_SECOND = 50
 
@@ -46,18 +50,35 @@ class ChatEngine(Protocol):
         self, request: GenerateRequest, cancel: threading.Event | None = None
     ) -> Iterator[TokenEvent | DoneEvent]: ...
 
+    def prefetch(self, messages: list | None = None, prompt_ids: list[int] | None = None,
+                 cancel: threading.Event | None = None) -> int: ...
+
+    def cache_stats(self) -> CacheStats: ...
+
+    def set_cache_budgets(self, budgets: CacheBudgets) -> None: ...
+
+    def clear_cache(self) -> None: ...
+
+    def close(self) -> None: ...
+
 
 EngineLoader = Callable[[Any], ChatEngine]
+EngineTask = Callable[[ChatEngine, threading.Event], Any]
 
 
-def load_engine(ref: str | None) -> ChatEngine:
-    """The real loader: a store name, HF folder, ``.gguf`` file or ``None`` (default model).
+def load_engine(ref: str | None, budgets: CacheBudgets | None = None) -> ChatEngine:
+    """The real loader: a store name, HF folder, ``.gguf`` file or ``None`` (default model),
+    with the prefix cache's tier budgets (None: the machine's defaults).
 
     Imported lazily so that the window can appear before MLX is loaded.
     """
     from backend.engine import Engine
+    from backend.memory.budgets import CacheConfig
 
-    return Engine.load(ref)
+    config = CacheConfig.default()
+    if budgets is not None:
+        config = CacheConfig(budgets, config.directory)
+    return Engine.load(ref, cache=config)
 
 
 def stats_from_done(done: DoneEvent) -> dict[str, Any]:
@@ -72,6 +93,8 @@ def stats_from_done(done: DoneEvent) -> dict[str, Any]:
         "decode_tps": round(done.decode_tps, 2),
         "drafted_tokens": done.drafted_tokens,
         "accepted_tokens": done.accepted_tokens,
+        "cached_by_tier": dict(done.cached_by_tier),  # live / device / host / disk
+        "restore_s": round(done.restore_s, 4),
     }
 
 
@@ -86,6 +109,8 @@ class InferenceWorker(Worker):
     finished = Signal(int, object)  # request id, DoneEvent
     cancelled = Signal(int, object)  # request id, DoneEvent or None (cancelled before it ran)
     errored = Signal(int, str)  # request id, one-line message
+    task_done = Signal(int, object)  # request id, what an engine task returned
+    task_failed = Signal(int, str)  # request id, one-line message
 
     def __init__(self, loader: EngineLoader, updates_per_second: float) -> None:
         super().__init__()
@@ -96,6 +121,7 @@ class InferenceWorker(Worker):
     @Slot(int, object)
     def load_model(self, request_id: int, ref: object) -> None:
         self.model_loading.emit(request_id, "default model" if ref is None else str(ref))
+        self.close_engine()  # the new engine may be the same model: it takes over the disk tier
         try:
             engine = self._loader(ref)
             info = engine.info
@@ -104,6 +130,16 @@ class InferenceWorker(Worker):
             return
         self._engine = engine  # the previous engine is released here, on this thread
         self.end(request_id, self.model_loaded, info)
+
+    @Slot()
+    def close_engine(self) -> None:
+        """Write the engine's pending cache states and release its disk tier (the writer lock),
+        on this thread. The engine still answers, from memory only."""
+        if self._engine is not None:
+            try:
+                self._engine.close()
+            except Exception:  # noqa: BLE001 - closing must never stop a load or a shutdown
+                log.exception("closing the engine failed")
 
     @Slot(int, object, object)
     def generate(self, request_id: int, request: GenerateRequest, cancel: threading.Event) -> None:
@@ -144,6 +180,20 @@ class InferenceWorker(Worker):
             self.end(request_id, self.finished, done)
 
 
+    @Slot(int, object, object)
+    def run_task(self, request_id: int, task: EngineTask, cancel: threading.Event) -> None:
+        """A short job on the loaded engine (prefetch, cache stats, budgets), in queue order."""
+        if self._engine is None or cancel.is_set():
+            self.end(request_id, self.task_done, None)
+            return
+        try:
+            result = task(self._engine, cancel)
+        except Exception as exc:  # noqa: BLE001
+            self.fail(request_id, self.task_failed, exc, "engine task")
+            return
+        self.end(request_id, self.task_done, result)
+
+
 class InferenceClient(WorkerHandle):
     """The GUI thread's handle on the worker: submit, cancel (``cancel``, ``cancel_all``),
     ``busy``, ``is_pending``, ``shutdown`` (see ``desktop.worker_handle.WorkerHandle``).
@@ -160,9 +210,12 @@ class InferenceClient(WorkerHandle):
     finished = Signal(int, object)
     cancelled = Signal(int, object)
     errored = Signal(int, str)
+    task_done = Signal(int, object)  # request id, the task's result (None if no model)
+    task_failed = Signal(int, str)
 
     _load_requested = Signal(int, object)
     _generate_requested = Signal(int, object, object)
+    _task_requested = Signal(int, object, object)
 
     def __init__(
         self,
@@ -176,10 +229,15 @@ class InferenceClient(WorkerHandle):
         self.model_info: ModelInfo | None = None
         self._load_requested.connect(worker.load_model)
         self._generate_requested.connect(worker.generate)
+        self._task_requested.connect(worker.run_task)
+        # Emitted on the worker thread as it ends: the engine is closed there, where it lives.
+        self._thread.finished.connect(worker.close_engine, Qt.ConnectionType.DirectConnection)
+        self._prefetches: set[int] = set()
         worker.model_loading.connect(self.model_loading)
         worker.model_loaded.connect(self._on_model_loaded)
         # Signal to signal: Qt queues each re-emission to this object's (the GUI) thread.
-        for name in ("model_failed", "started", "token", "finished", "cancelled", "errored"):
+        for name in ("model_failed", "started", "token", "finished", "cancelled", "errored",
+                     "task_done", "task_failed"):
             getattr(worker, name).connect(getattr(self, name))
 
     def load_model(self, ref: str | None) -> int:
@@ -189,10 +247,38 @@ class InferenceClient(WorkerHandle):
         return request_id
 
     def generate(self, request: GenerateRequest) -> int:
-        """Queue a generation; returns its request id."""
+        """Queue a generation; returns its request id. Pending prefetches are cancelled: a
+        real request never waits for one."""
+        for prefetch in self._prefetches:
+            self.cancel(prefetch)
+        self._prefetches.clear()
         request_id, cancel = self._open_request()
         self._generate_requested.emit(request_id, request, cancel)
         return request_id
+
+    def run_task(self, task: EngineTask) -> int:
+        """Queue ``task(engine, cancel)`` on the worker thread; its result arrives as
+        ``task_done(id, result)`` (``None`` when no model is loaded)."""
+        request_id, cancel = self._open_request()
+        self._task_requested.emit(request_id, task, cancel)
+        return request_id
+
+    def prefetch(self, messages: list) -> int:
+        """Bring a conversation's stored state towards the device while the user types;
+        cancelled by the next ``generate``."""
+        request_id = self.run_task(
+            lambda engine, cancel: engine.prefetch(messages=messages, cancel=cancel))
+        self._prefetches.add(request_id)
+        return request_id
+
+    def cache_stats(self) -> int:
+        return self.run_task(lambda engine, cancel: engine.cache_stats())
+
+    def set_cache_budgets(self, budgets: CacheBudgets) -> int:
+        return self.run_task(lambda engine, cancel: engine.set_cache_budgets(budgets))
+
+    def clear_cache(self) -> int:
+        return self.run_task(lambda engine, cancel: engine.clear_cache())
 
     @Slot(int, object)
     def _on_model_loaded(self, request_id: int, info: ModelInfo) -> None:

@@ -84,7 +84,7 @@ class CacheConfig:
 
         directory = Path(directory) if directory is not None else cache_dir() / "prefix-cache"
         budgets = CacheBudgets.defaults(directory).with_mb(device_mb, host_mb, disk_mb)
-        return cls(budgets, directory if budgets.disk_bytes > 0 else None)
+        return cls(budgets, directory)
 
     @classmethod
     def memory_only(cls, device_mb: int = 1024, host_mb: int = 0) -> "CacheConfig":

@@ -125,7 +125,7 @@ class PrefixCache:
         self.caches = list(caches)
         self.kinds = [c.snapshot_kind for c in self.caches]
         self.budgets = budgets
-        self.disk = disk if budgets.disk_bytes > 0 else None
+        self.disk = disk  # kept while its budget is 0: a new budget may enable it again
         self._evaluate = evaluate or (lambda caches: None)
         self.capture_interval = capture_interval
         self.pre_end = pre_end
@@ -567,7 +567,7 @@ class PrefixCache:
         return source
 
     def _write_disk(self, node: TrieNode) -> bool:
-        if self.disk is None or node.data.on_disk:
+        if self.disk is None or node.data.on_disk or self.budgets.disk_bytes <= 0:
             return node.data.on_disk
         records = self._records(node)
         if records is None:
@@ -716,6 +716,12 @@ class PrefixCache:
         self._enforce_budgets()
         return ready
 
+    def set_budgets(self, budgets: CacheBudgets) -> None:
+        """New budgets, enforced at once."""
+        self._require_idle()
+        self.budgets = budgets
+        self._enforce_budgets()
+
     def clear(self) -> None:
         """Forget every stored prefix (all tiers) and the live caches."""
         self._require_idle()
@@ -729,12 +735,24 @@ class PrefixCache:
         self._unpersisted.clear()
 
     def close(self) -> None:
-        """Write what is pending and release the disk store (its writer lock)."""
+        """Write what is pending and release the disk store (its writer lock). The cache keeps
+        working from memory; what only the disk held is forgotten here (the files stay for the
+        next process)."""
         if self._request is None:
             self.persist()
-        if self.disk is not None:
-            self.disk.close()
-            self.disk = None
+        if self.disk is None:
+            return
+        for node in list(self.trie.nodes()):
+            self._drop_disk(node, delete=False)
+        stack = list(self.trie.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.data.tiers() == 0 and node.locks == 0:
+                self._forget_subtree(node)
+            else:
+                stack.extend(node.children.values())
+        self.disk.close()
+        self.disk = None
 
     def stats(self) -> CacheStats:
         self._refresh_lazy()

@@ -54,6 +54,8 @@ STATS_FIELDS: dict[str, type] = {
     "decode_tps": float,
     "drafted_tokens": float,
     "accepted_tokens": float,
+    "cached_by_tier": dict,  # tier name -> tokens (numbers)
+    "restore_s": float,
 }
 #: What every query for whole messages selects from ``messages m``: ``RowReader.message`` needs
 #: ``parent_found``.
@@ -101,6 +103,9 @@ def clean_stats(value: Any) -> tuple[dict[str, Any] | None, list[str]]:
         if kind is str and not isinstance(item, str):
             dropped.append(key)
         elif kind is float and not _finite_number(item):
+            dropped.append(key)
+        elif kind is dict and not (isinstance(item, dict) and all(
+                isinstance(k, str) and _finite_number(v) for k, v in item.items())):
             dropped.append(key)
         else:
             kept[key] = item

@@ -43,6 +43,7 @@ from desktop.ui.settings_dialog import ChatSettingsDialog
 from desktop.ui.sidebar import Sidebar
 from desktop.ui.simple_models import SearchResultsModel
 from desktop.ui.theme import THEME_KEY, ThemeManager
+from desktop.ui.cache_dialog import CacheDialog
 from desktop.worker import InferenceClient
 
 log = logging.getLogger(__name__)
@@ -198,6 +199,7 @@ class MainWindow(QMainWindow):
 
         models = bar.addMenu("&Models")
         self._action(models, "Model manager…", self.open_model_manager, ["Ctrl+Shift+M"])
+        self._action(models, "Memory and cache…", self.open_cache_dialog)
 
         view = bar.addMenu("&View")
         theme_menu = view.addMenu("Theme")
@@ -257,6 +259,7 @@ class MainWindow(QMainWindow):
             self.title_label.setText(self.store.conversation(conversation_id).title)
             self.sidebar.select_conversation(conversation_id)
             self.store.set_app_setting(LAST_CONVERSATION_KEY, conversation_id)
+            self.controller.prefetch(conversation_id)
         self._show_notice()
         self.chat_view.scroll_to_bottom()
         self._update_composer()
@@ -450,6 +453,14 @@ class MainWindow(QMainWindow):
     def load_model(self, ref: str | None) -> None:
         self.controller.load_model(ref)
 
+    def open_cache_dialog(self) -> CacheDialog:
+        """The prefix cache's budgets, live use per tier and "clear" (non-modal)."""
+        dialog = CacheDialog(self.store, self.client, parent=self)
+        dialog.finished.connect(dialog.deleteLater)
+        self._cache_dialog = dialog
+        dialog.open()
+        return dialog
+
     def open_model_manager(self) -> ModelManagerDialog:
         if self._model_manager is None:
             loaded = self.controller.model_info.name if self.controller.model_info else None
@@ -469,6 +480,8 @@ class MainWindow(QMainWindow):
         self.store.set_app_setting(LAST_MODEL_KEY, self.controller.model_ref)
         if self._model_manager is not None:
             self._model_manager.set_loaded(info.name)
+        if self.current_id is not None:  # the chat on screen: warm its cached state now
+            self.controller.prefetch(self.current_id)
 
     def _on_model_failed(self, message: str) -> None:
         loaded = self.controller.model_info  # the worker keeps the model it had

@@ -30,9 +30,14 @@ STATUS_NOTES = {
 }
 
 
+#: The prefix cache's tiers a cached prompt can come from (tokens still in the live caches
+#: are not named: they never left).
+TIERS = ("device", "host", "disk")
+
+
 def format_stats(stats: dict[str, Any] | None) -> str:
     """The per-reply statistics line, e.g.
-    ``0.21 s to first token · 38.5 tok/s · 57 tokens · prompt 120 (96 cached)``."""
+    ``0.21 s to first token · 38.5 tok/s · 57 tokens · prompt 120 (96 cached, 80 from disk)``."""
     if not stats:
         return ""
     parts = []
@@ -43,7 +48,10 @@ def format_stats(stats: dict[str, Any] | None) -> str:
         parts.append(f"{stats['generated_tokens']} tokens")
     if stats.get("prompt_tokens") is not None:
         cached = stats.get("cached_tokens") or 0
-        parts.append(f"prompt {stats['prompt_tokens']}" + (f" ({cached} cached)" if cached else ""))
+        tiers = stats.get("cached_by_tier") or {}
+        sources = [f"{int(tiers[t])} from {t}" for t in TIERS if tiers.get(t)]
+        note = f" ({', '.join([f'{cached} cached'] + sources)})" if cached else ""
+        parts.append(f"prompt {stats['prompt_tokens']}{note}")
     if stats.get("drafted_tokens"):
         drafted, accepted = stats["drafted_tokens"], stats.get("accepted_tokens", 0)
         parts.append(f"drafted {drafted}, accepted {accepted} ({100.0 * accepted / drafted:.0f}%)")

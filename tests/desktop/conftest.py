@@ -19,7 +19,7 @@ class GatedEngine:
 
     ``allowance`` is how many tokens may pass before the gate holds the next one: ``None`` (the
     default) never holds. ``release(n)`` lets ``n`` more through, ``open()`` all of them,
-    ``close()`` holds the next. A held token also passes as soon as its request is cancelled, so
+    ``hold()`` holds the next. A held token also passes as soon as its request is cancelled, so
     that stopping a reply (or shutting down) never waits for the test. ``waiting`` is True while
     a token is held; ``passed`` counts the tokens let through and ``texts`` holds their text.
     """
@@ -37,6 +37,9 @@ class GatedEngine:
     def info(self) -> ModelInfo:
         return self._engine.info
 
+    def __getattr__(self, name: str):  # prefetch, cache_stats, budgets, close: the real engine's
+        return getattr(self.__dict__["_engine"], name)
+
     def release(self, n: int = 1) -> None:
         with self._changed:
             if self._allowance is not None:
@@ -48,7 +51,7 @@ class GatedEngine:
             self._allowance = None
             self._changed.notify_all()
 
-    def close(self) -> None:
+    def hold(self) -> None:
         with self._changed:
             self._allowance = 0
 

@@ -168,7 +168,7 @@ def test_switching_chats_and_branches_while_generating_never_misroutes_tokens(qt
     send(qtbot, w, "chat A, first")
     wait_idle(qtbot, w)
     chat_a = w.current_id
-    parts.engine.close()  # from here A's regenerated reply streams only as the test lets it
+    parts.engine.hold()  # from here A's regenerated reply streams only as the test lets it
     qtbot.mouseClick(w.chat_view.message_widgets()[1].regenerate_button, Qt.MouseButton.LeftButton)
     stream_until(qtbot, parts.engine, lambda: bool(w.controller.live_text(w.store.path(chat_a)[1].message.id)))
     streaming_id = w.store.path(chat_a)[1].message.id
@@ -406,7 +406,7 @@ def test_keyboard_shortcuts(qtbot, launch):
     assert QApplication.focusWidget() is w.composer.input
     # Esc in the message box stops a reply too.
     w.store.set_default_settings(ChatSettings(max_tokens=300, temperature=1.0, min_p=0.0, top_p=1.0, seed=7))
-    parts.engine.close()
+    parts.engine.hold()
     send(qtbot, w, "third")
     qtbot.waitUntil(lambda: w.composer.generating and parts.engine.held(), timeout=20000)
     with qtbot.waitSignal(w.controller.reply_ended, timeout=20000):
