@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import threading
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -268,23 +269,43 @@ def cmd_chat(args: argparse.Namespace, stdin=None, stdout=None) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Serve until Ctrl-C / SIGTERM; the model loads (and always runs) on the engine thread."""
+    """Serve until Ctrl-C / SIGTERM; the model loads (and always runs) on the engine thread.
+
+    MLX, once used from a thread other than the main one, can abort in its static destructors
+    at interpreter exit. So once the engine thread has started, this command reports its own
+    outcome and leaves without that teardown (everything is written and closed by then)."""
+    from backend.errors import ArborError
     from backend.server import serve
 
     cache = _cache_config(args)
+    engine_started = threading.Event()
 
     def load():
+        engine_started.set()
         from backend.engine import Engine
 
         return Engine.load(args.model, args.dtype, cache=cache)
 
-    code = serve(load, args.host, args.port, args.api_key,
-                 announce=lambda line: print(line, flush=True))
-    # Everything is written and closed now. MLX, once used from a thread other than the main
-    # one, can abort in its static destructors at interpreter exit; leave without them.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    code = 1  # a bug: its traceback is printed
+    try:
+        code = serve(load, args.host, args.port, args.api_key,
+                     announce=lambda line: print(line, flush=True))
+    except KeyboardInterrupt:  # Ctrl-C while the model loads
+        code = 130
+    except Exception as exc:
+        if not engine_started.is_set():
+            raise  # nothing ran on another thread: main() reports it as usual
+        if isinstance(exc, ArborError):
+            print(f"arbor: error: {exc}", file=sys.stderr)
+            code = EXIT_USAGE
+        else:
+            traceback.print_exc()
+    finally:
+        if engine_started.is_set():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return code
 
 
 def cmd_models(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -38,6 +39,18 @@ def test_a_non_loopback_host_without_a_key_refuses_to_start(capsys, host):
 def test_loopback_means_every_address_is_loopback():
     assert all(map(is_loopback, ["127.0.0.1", "127.8.9.10", "::1", "[::1]", "localhost"]))
     assert not any(map(is_loopback, ["0.0.0.0", "::", "192.0.2.7", "no-such-host.invalid"]))
+
+
+def test_a_model_that_fails_to_load_is_one_line(tiny_model_dir, tmp_path):
+    """The model loads on the engine thread; its error still reaches the command line."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir("llama"), broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    proc = subprocess.run([sys.executable, "-m", "desktop.cli", "serve", "--model", str(broken),
+                           "--port", "0"], capture_output=True, text=True, timeout=WAIT_S)
+    assert_one_line_error(proc.returncode, proc.stderr, "truncated", "model.safetensors")
+    assert proc.stdout == ""  # never announced
 
 
 def test_a_port_in_use_is_one_line(capsys):
