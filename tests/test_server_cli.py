@@ -15,6 +15,7 @@ import threading
 import openai
 import pytest
 
+import backend.memory.budgets as budgets_module
 from backend.memory.budgets import MIB, CacheConfig
 from backend.server.run import is_loopback
 from desktop.cli import _cache_config, build_parser, cmd_chat, main
@@ -62,8 +63,14 @@ def test_a_port_in_use_is_one_line(capsys):
     assert_one_line_error(code, capsys.readouterr().err, f"127.0.0.1:{port}")
 
 
+@pytest.fixture
+def steady_disk(monkeypatch):
+    """The disk default follows the free space, which other processes change: hold it still."""
+    monkeypatch.setattr(budgets_module, "_free_disk_bytes", lambda path: 50 << 30)
+
+
 @pytest.mark.parametrize("command", ["chat", "serve"])
-def test_cache_flags_set_the_budgets(command):
+def test_cache_flags_set_the_budgets(command, steady_disk):
     defaults = CacheConfig.default()
     parse = build_parser().parse_args
     assert _cache_config(parse([command])) == defaults
@@ -96,11 +103,12 @@ def test_chat_takes_the_same_cache_flags(tiny_model_dir):
     assert any(disk_tier.iterdir())
 
 
-def test_help_shows_this_machines_default_budgets(capsys):
+def test_help_shows_this_machines_default_budgets(capsys, steady_disk):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     budgets = CacheConfig.default().budgets
+    assert budgets.disk_bytes == 5 << 30  # a tenth of the free space
     for tier, value in (("device", budgets.device_bytes), ("host", budgets.host_bytes),
                         ("disk", budgets.disk_bytes)):
         assert f"--cache-{tier}-mb N {tier} tier budget in MiB (default here: " \

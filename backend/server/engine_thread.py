@@ -42,7 +42,8 @@ class ServedEngine(Protocol):
 
 
 class Cancelled(Exception):
-    """The job was cancelled before the engine started it."""
+    """The job was cancelled before the engine started it (the HTTP side also uses it for a
+    generation the engine stopped: only a shutdown cancels one that a client still waits for)."""
 
 
 class InternalError(Exception):
