@@ -35,7 +35,8 @@ from typing import Iterator
 import mlx.core as mx
 
 from backend.api import CacheStats, DoneEvent, GenerateRequest, ModelInfo, TokenEvent
-from backend.errors import ContextLengthError, InvalidRequestError
+from backend.decoding import Decoding, plain_tokens, speculative_tokens
+from backend.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from backend.memory.budgets import CacheBudgets, CacheConfig
 from backend.memory.disk import DiskStore
 from backend.memory.fingerprint import model_fingerprint
@@ -44,11 +45,22 @@ from backend.models.files import weight_files
 from backend.models.loading import LoadedModel, load_model
 from backend.models.quantize import describe_quantization
 from backend.sampling import Sampler
+from backend.speculation.depth import DepthController
+from backend.speculation.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from backend.tokenizer import StopMatcher, Tokenizer
 
 PREFILL_CHUNK = 2048
+MAX_DRAFT = 8  # most draft tokens per verify round (verify blocks of up to 16 are exact)
+SPECULATION_CHOICES = ("auto", "model", "lookup", "none")
 
 Event = TokenEvent | DoneEvent
+
+
+def _fingerprint(loaded: LoadedModel, memo: Path) -> str:
+    folder = Path(loaded.folder)
+    return model_fingerprint(folder, weight_files(folder),
+                             str(loaded.dtype).replace("mlx.core.", ""),
+                             "kernels" if loaded.cpu_kernels else "mlx", memo_file=memo)
 
 
 class Engine:
@@ -56,36 +68,65 @@ class Engine:
     the module docstring)."""
 
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, name: str,
-                 cache: CacheConfig | None = None, prefill_chunk: int | None = None) -> None:
+                 cache: CacheConfig | None = None, prefill_chunk: int | None = None,
+                 draft: LoadedModel | None = None, speculation: str = "auto",
+                 draft_depth: int | None = None) -> None:
+        """``draft``: a draft model with this tokenizer's vocabulary (``load`` checks it);
+        ``speculation``: the drafter requests get by default ("auto": the draft model if there
+        is one, else prompt lookup; "model", "lookup", or "none" for plain decoding);
+        ``draft_depth``: draft exactly this many tokens per round (None: the depth controller
+        chooses, 0 .. MAX_DRAFT)."""
+        if speculation not in SPECULATION_CHOICES:
+            raise InvalidRequestError(f"speculation must be one of {SPECULATION_CHOICES}")
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = tokenizer
         self.name = name
         self.prefill_chunk = prefill_chunk  # None: PREFILL_CHUNK
         self.cache_config = cache if cache is not None else CacheConfig.default()
-        self.caches = self.model.make_caches()
+        self.draft = draft
+        self.drafter = ModelDrafter(draft.model, Path(draft.folder).name) if draft else None
+        self.speculation = ("model" if draft else "lookup") if speculation == "auto" \
+            else speculation
+        self.target_caches = self.model.make_caches()
+        # The draft model's caches are live caches too: the prefix cache stores them alongside.
+        self.caches = self.target_caches + (self.drafter.caches if self.drafter else [])
         self.prefix = self._prefix_cache(self.cache_config)
+        self._controllers: dict[str, DepthController] = {}
+        self.draft_depth = draft_depth
         self._busy = threading.Lock()
 
     @classmethod
     def load(cls, model: str | Path | None = None, dtype: str | None = None,
-             cache: CacheConfig | None = None, prefill_chunk: int | None = None) -> "Engine":
-        """Load a store name, an HF folder or a .gguf file (None: the default model)."""
+             cache: CacheConfig | None = None, prefill_chunk: int | None = None,
+             draft: str | Path | None = None, speculation: str = "auto",
+             draft_depth: int | None = None) -> "Engine":
+        """Load a store name, an HF folder or a .gguf file (None: the default model), and
+        optionally a draft model for speculative decoding (same kinds of reference)."""
         from backend.models.store import ModelStore
 
-        folder = ModelStore().resolve(model)
+        store = ModelStore()
+        folder = store.resolve(model)
         loaded = load_model(folder, dtype)
-        return cls(loaded, Tokenizer.from_folder(folder), Path(folder).name, cache,
-                   prefill_chunk)
+        tokenizer = Tokenizer.from_folder(folder)
+        draft_loaded = None
+        if draft is not None:
+            draft_folder = store.resolve(draft)
+            reason = tokenizer.vocabulary_mismatch(Tokenizer.from_folder(draft_folder))
+            if reason:
+                raise ModelLoadError(f"{Path(draft_folder).name} cannot draft for "
+                                     f"{Path(folder).name}: {reason}")
+            draft_loaded = load_model(draft_folder, dtype)
+        return cls(loaded, tokenizer, Path(folder).name, cache, prefill_chunk, draft_loaded,
+                   speculation, draft_depth)
 
     def _prefix_cache(self, config: CacheConfig) -> PrefixCache:
         disk = None
         if config.directory is not None:
-            folder = Path(self.loaded.folder)
-            fingerprint = model_fingerprint(
-                folder, weight_files(folder), str(self.loaded.dtype).replace("mlx.core.", ""),
-                "kernels" if self.loaded.cpu_kernels else "mlx",
-                memo_file=Path(config.directory) / "hashes.json")
+            memo = Path(config.directory) / "hashes.json"
+            fingerprint = _fingerprint(self.loaded, memo)
+            if self.draft is not None:  # the stored states include the draft model's
+                fingerprint = f"{fingerprint}-{_fingerprint(self.draft, memo)[:12]}"
             disk = DiskStore(Path(config.directory), fingerprint)
         return PrefixCache(self.caches, config.budgets, disk,
                            evaluate=lambda caches: mx.eval([c.arrays() for c in caches]),
@@ -174,8 +215,10 @@ class Engine:
             if cancel is not None and cancel.is_set():
                 return None
             chunk = prompt[begin:min(begin + chunk_size, len(prompt) - 1)]
-            hidden = self.model.hidden(mx.array(chunk)[None], self.caches)  # (1, n, hidden)
-            mx.eval(hidden, [c.arrays() for c in self.caches])
+            hidden = self.model.hidden(mx.array(chunk)[None], self.target_caches)  # (1, n, hid)
+            mx.eval(hidden, [c.arrays() for c in self.target_caches])
+            if self.drafter is not None:
+                self.drafter.feed(chunk)  # the draft model's caches stay in step
             held.extend(chunk)
         if cancel is not None and cancel.is_set():
             return None
@@ -184,9 +227,9 @@ class Engine:
         return logits
 
     def _step(self, tokens: list[int] | mx.array) -> mx.array:
-        """Lazy logits (vocab,) after feeding ``tokens`` to the live caches."""
+        """Lazy logits (vocab,) after feeding ``tokens`` to the target's live caches."""
         ids = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
-        hidden = self.model.hidden(ids.reshape(1, -1), self.caches)
+        hidden = self.model.hidden(ids.reshape(1, -1), self.target_caches)
         return self.model.logits(hidden[:, -1:, :])[0, -1]  # (vocab,)
 
     def generate(self, request: GenerateRequest,
@@ -213,7 +256,7 @@ class Engine:
                                  t_start)
         except GeneratorExit:  # the caller stopped reading: the caches hold exactly ``held``
             if self.prefix.running:
-                self.prefix.commit(held)
+                self._commit(held)
             raise
         except BaseException:
             if self.prefix.running:
@@ -224,69 +267,44 @@ class Engine:
              t_start) -> Iterator[Event]:
         logits = self._prefill(prompt, resume.cached, held, cancel)  # 3
         self.prefix.attach_captures(held)
-        generated: list[int] = []
+        eos = frozenset() if request.ignore_eos else self.tokenizer.eos_token_ids
+        decoding = Decoding(self.model, self.target_caches, sampler, list(prompt), held, budget,
+                            eos, request.logprobs)
         detok = self.tokenizer.detokenizer()
         stops = StopMatcher(request.stop)
         pieces: list[str] = []
         finish = "cancelled" if logits is None else "length"
         t_first = time.perf_counter()
-        params = request.sampling
-        uses_history = (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-                        or params.frequency_penalty != 0.0)
-
-        def history() -> mx.array | None:
-            if not uses_history:
-                return None
-            return mx.array((prompt + generated)[-params.penalty_window:], dtype=mx.int32)
-
-        def sample(logits: mx.array) -> tuple[mx.array, mx.array | None]:
-            token = sampler.distribution(logits, history()).sample()
-            logprob = None
-            if request.logprobs:  # log-softmax of the model's own logits at the sampled token
-                logprob = logits[token] - mx.logsumexp(logits)
-            mx.async_eval(token if logprob is None else [token, logprob])
-            return token, logprob
-
         if logits is not None:  # 4
-            token, logprob = sample(logits)
-            while True:
-                # Queue the next step before waiting on this token so the device never idles;
-                # when this token turns out to be the last, that one step is wasted work.
-                ahead = None
-                if len(generated) + 1 < budget:
-                    ahead = self._step(token.reshape(1))
-                token_id = int(token.item())
-                if not generated:
+            drafter = self._drafter_for(request)
+            tokens = (plain_tokens(decoding, logits) if drafter is None else
+                      speculative_tokens(decoding, logits, drafter, self._depth(drafter.kind)))
+            for emitted in tokens:
+                if len(decoding.generated) == 1:
                     t_first = time.perf_counter()
-                if ahead is not None:
-                    held.append(token_id)
-                generated.append(token_id)
-                if token_id in self.tokenizer.eos_token_ids and not request.ignore_eos:
+                if emitted.token_id in eos:
                     finish = "stop"
                     break
-                text, stopped = stops.feed(detok.add(token_id))
+                text, stopped = stops.feed(detok.add(emitted.token_id))
                 pieces.append(text)
-                yield TokenEvent(text, token_id,
-                                 logprob=None if logprob is None else float(logprob.item()))
+                yield TokenEvent(text, emitted.token_id, emitted.from_draft, emitted.logprob)
                 if stopped:
                     finish = "stop"
                     break
                 if cancel is not None and cancel.is_set():
                     finish = "cancelled"
                     break
-                if ahead is None:
-                    break
-                token, logprob = sample(ahead)
+            tokens.close()
             if not stops.stopped:  # release text held back for a stop string or a partial char
                 tail, stopped = stops.feed(detok.finalize())
                 tail += "" if stopped else stops.flush()
                 if tail:
                     pieces.append(tail)
                     yield TokenEvent(tail, -1)
-        mx.eval([c.arrays() for c in self.caches])
-        self.prefix.commit(held)  # 5
+        self._commit(held)  # 5
         t_end = time.perf_counter()
         n_new = len(prompt) - resume.cached
+        generated, stats = decoding.generated, decoding.stats
         decode_time = t_end - t_first
         yield DoneEvent(
             text="".join(pieces),
@@ -299,6 +317,36 @@ class Engine:
             # The first token is only known once the last prefill chunk ran: TTFT bounds prefill.
             prefill_tps=n_new / max(t_first - t_start, 1e-9) if generated else 0.0,
             decode_tps=(len(generated) - 1) / decode_time if len(generated) > 1 else 0.0,
+            drafted_tokens=stats.drafted,
+            accepted_tokens=stats.accepted,
+            drafter=stats.drafter,
+            acceptance_by_position=stats.acceptance_by_position,
+            mean_accepted=stats.mean_accepted,
             cached_by_tier=dict(resume.by_tier),
             restore_s=resume.restore_s,
         )
+
+    def _commit(self, held: list[int]) -> None:
+        """Record what the live caches hold (the drafter's caches first catch up)."""
+        if self.drafter is not None:
+            self.drafter.catch_up(held)
+        mx.eval([c.arrays() for c in self.caches])
+        self.prefix.commit(held)
+
+    # -- speculation ---------------------------------------------------------------------------
+    def _drafter_for(self, request: GenerateRequest) -> Drafter | None:
+        choice = request.draft if request.draft != "auto" else self.speculation
+        if choice == "none":
+            return None
+        if choice == "model":
+            if self.drafter is None:
+                raise InvalidRequestError("no draft model is loaded (load one with --draft)")
+            return self.drafter
+        return PromptLookupDrafter()
+
+    def _depth(self, kind: str) -> DepthController:
+        """One controller per drafter kind, kept across requests (costs and acceptance)."""
+        if kind not in self._controllers:
+            self._controllers[kind] = DepthController(max_depth=MAX_DRAFT,
+                                                      fixed=self.draft_depth)
+        return self._controllers[kind]

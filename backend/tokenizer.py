@@ -110,6 +110,19 @@ class Tokenizer:
             add_bos_token=bool(config.get("add_bos_token", False)),
         )
 
+    def vocabulary_mismatch(self, other: Tokenizer) -> str | None:
+        """Why ``other`` does not share this tokenizer's vocabulary (id -> token), or None. A
+        draft model must: its token ids are verified by the target as they are."""
+        mine = self._backend.get_vocab(with_added_tokens=True)
+        theirs = other._backend.get_vocab(with_added_tokens=True)
+        if len(mine) != len(theirs):
+            return f"its vocabulary has {len(theirs)} tokens, the model's has {len(mine)}"
+        for token, token_id in mine.items():
+            if theirs.get(token) != token_id:
+                return f"token {token!r} is id {token_id} in the model but " + (
+                    "missing" if token not in theirs else f"id {theirs[token]}") + " in it"
+        return None
+
     # -- ids <-> text ------------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

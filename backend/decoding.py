@@ -1,0 +1,206 @@
+"""The decode loops: plain (one token per step, pipelined) and speculative (verify blocks).
+
+Both are generators of ``Emitted`` tokens that the engine turns into events (detokenizing,
+stop strings, cancellation); the consumer simply stops iterating when the reply is done. They
+keep ``Decoding.held`` (the ids the live caches hold) and ``Decoding.generated`` exact at every
+yield, so the engine can record the caches in the prefix cache whenever it stops.
+
+Plain: sample token t lazily, queue the step that feeds it (``mx.async_eval``), and only then
+wait for t, so the device computes t+1 while the host emits t.
+
+Speculative, in rounds, keeping that pipelining: the step feeding the current token ``c`` is
+already queued; once ``c`` is known the drafter proposes up to ``depth`` tokens (the depth
+controller's choice, 0 = a plain step). With drafts ``d_1..d_N``:
+
+1. schedule snapshots at every draft offset (``SpeculativeWrite``), one batched forward of the N
+   drafts; its N rows plus the queued step's row give the N + 1 target distributions;
+2. accept by the rejection rule (``speculation.acceptance.judge``), one host sync per round;
+3. restore every cache to the accepted count (an accepted EOS is emitted, its state not kept),
+   queue the step feeding the next token, emit the accepted drafts (``from_draft``).
+
+Because verify blocks are row-invariant (tests/test_row_invariance.py) the target rows equal what
+one-token steps would have computed, so greedy speculative output is plain greedy output.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import mlx.core as mx
+
+from backend.caches.base import Cache
+from backend.sampling import Sampler
+from backend.speculation.acceptance import judge
+from backend.speculation.depth import DepthController
+from backend.speculation.drafters import Drafter
+from backend.speculation.rollback import SpeculativeWrite
+
+
+@dataclass(frozen=True)
+class Emitted:
+    token_id: int
+    from_draft: bool
+    logprob: float | None
+
+
+@dataclass
+class DraftStats:
+    """What speculation did in one reply."""
+
+    drafter: str = ""
+    rounds: int = 0  # verify rounds (plain steps not counted)
+    drafted: int = 0
+    accepted: int = 0
+    reached: list[int] = field(default_factory=list)  # per draft position: rounds that got there
+    kept: list[int] = field(default_factory=list)  # ... and accepted it
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        while len(self.reached) < drafted:
+            self.reached.append(0)
+            self.kept.append(0)
+        for j in range(min(drafted, accepted + 1)):
+            self.reached[j] += 1
+            self.kept[j] += j < accepted
+
+    @property
+    def acceptance_by_position(self) -> tuple[float, ...]:
+        return tuple(k / r for k, r in zip(self.kept, self.reached) if r)
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.accepted / self.rounds if self.rounds else 0.0
+
+
+@dataclass
+class Decoding:
+    """One reply's decode state, shared by the loops and the engine."""
+
+    model: object
+    caches: list[Cache]  # the target's live caches
+    sampler: Sampler
+    prompt: list[int]
+    held: list[int]  # ids the caches hold
+    budget: int  # most tokens to emit
+    eos: frozenset[int]
+    logprobs: bool = False
+    generated: list[int] = field(default_factory=list)
+    stats: DraftStats = field(default_factory=DraftStats)
+
+    def step(self, tokens: mx.array) -> mx.array:
+        """Lazy logits (vocab,) after feeding ``tokens``."""
+        hidden = self.model.hidden(tokens.reshape(1, -1), self.caches)
+        return self.model.logits(hidden[:, -1:, :])[0, -1]
+
+    def block(self, tokens: mx.array) -> mx.array:
+        """Lazy logits (N, vocab) of every position of ``tokens`` (a verify block)."""
+        hidden = self.model.hidden(tokens.reshape(1, -1), self.caches)
+        return self.model.logits(hidden)[0]
+
+    def history(self, drafts: mx.array | None = None) -> mx.array | None:
+        """The penalty window of prompt + generated ids (+ in-flight ``drafts``), or None when
+        no penalty is on."""
+        p = self.sampler.params
+        if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+            return None
+        recent = mx.array((self.prompt + self.generated)[-p.penalty_window:], dtype=mx.int32)
+        if drafts is not None and drafts.size:
+            recent = mx.concatenate([recent, drafts.astype(mx.int32)])
+        return recent[-p.penalty_window:] if p.penalty_window else recent[:0]
+
+    def sample(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+        token = self.sampler.distribution(logits, self.history()).sample()
+        logprob = logits[token] - mx.logsumexp(logits) if self.logprobs else None
+        return token, logprob
+
+
+def _value(x: mx.array | None) -> float | None:
+    return None if x is None else float(x.item())
+
+
+def plain_tokens(d: Decoding, logits: mx.array) -> Iterator[Emitted]:
+    token, logprob = d.sample(logits)
+    mx.async_eval(token if logprob is None else [token, logprob])
+    while True:
+        # Queue the next step before waiting on this token so the device never idles; when
+        # this token turns out to be the last, that one step is wasted work.
+        ahead = d.step(token.reshape(1)) if len(d.generated) + 1 < d.budget else None
+        token_id = int(token.item())
+        if ahead is not None:
+            d.held.append(token_id)
+        d.generated.append(token_id)
+        yield Emitted(token_id, False, _value(logprob))
+        if ahead is None:
+            return
+        token, logprob = d.sample(ahead)
+        mx.async_eval(token if logprob is None else [token, logprob])
+
+
+def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
+                       controller: DepthController,
+                       clock: Callable[[], float] = time.perf_counter) -> Iterator[Emitted]:
+    d.stats.drafter = drafter.kind
+    token, logprob = d.sample(logits)
+    ahead = d.step(token.reshape(1)) if d.budget > 1 else None  # the row judging draft 1
+    mx.async_eval([a for a in (token, logprob, ahead) if a is not None])
+    last_depth, t_round = 0, clock()
+    while True:
+        token_id = int(token.item())
+        if ahead is not None:
+            d.held.append(token_id)
+        d.generated.append(token_id)
+        yield Emitted(token_id, False, _value(logprob))  # sampled by the target itself
+        if ahead is None:
+            return
+        remaining = d.budget - len(d.generated)  # >= 1: ahead was queued for it
+        depth = controller.choose(remaining - 1)  # leave room for the bonus token
+        draft = drafter.propose(d.held, depth, d.sampler, d.history) if depth else None
+        if draft is None:  # a plain step
+            token, logprob = d.sample(ahead)
+            ahead = d.step(token.reshape(1)) if remaining > 1 else None
+            mx.async_eval([a for a in (token, logprob, ahead) if a is not None])
+            now = clock()
+            controller.record(last_depth, 0, now - t_round)
+            last_depth, t_round = 0, now
+            continue
+        drafts = draft.tokens
+        n = drafts.shape[0]
+        tx = SpeculativeWrite(d.caches, n)
+        try:
+            rows = d.block(drafts)  # (N, V): row i follows drafts[:i + 1]
+            histories = [d.history(drafts[:i]) for i in range(n + 1)]
+            target_logits = mx.concatenate([ahead[None], rows])  # (N + 1, V)
+            verdict = judge(d.sampler.distributions(target_logits, histories), drafts,
+                            draft.logprobs, d.sampler)
+            lps = (target_logits - mx.logsumexp(target_logits, axis=-1, keepdims=True)
+                   if d.logprobs else None)
+            mx.eval([verdict.accepted, verdict.next_token, drafts]
+                    + ([] if lps is None else [lps]))  # the round's one host sync
+            accepted = int(verdict.accepted.item())
+            ids = draft.known if draft.known is not None else drafts.tolist()
+            # An accepted EOS ends the reply there: it is emitted, its state is not kept.
+            eos_at = next((j for j, t in enumerate(ids[:accepted]) if t in d.eos), None)
+            keep = accepted if eos_at is None else eos_at
+            tx.commit(keep)
+        except BaseException:
+            tx.abort()
+            raise
+        d.held.extend(ids[:keep])
+        drafter.settle(d.held)
+        d.stats.record(n, accepted)
+        now = clock()
+        controller.record(n, accepted, now - t_round)
+        last_depth, t_round = n, now
+        for j in range(keep if eos_at is None else eos_at + 1):
+            d.generated.append(ids[j])
+            yield Emitted(ids[j], True, None if lps is None else float(lps[j, ids[j]].item()))
+        if eos_at is not None:
+            return
+        token = verdict.next_token
+        logprob = None if lps is None else lps[keep, token]
+        ahead = d.step(token.reshape(1)) if d.budget - len(d.generated) > 1 else None
+        mx.async_eval([a for a in (logprob, ahead) if a is not None])

@@ -1,0 +1,116 @@
+"""How many tokens to draft each round: the depth that maximizes committed tokens per second.
+
+With per-position acceptance ``a_j`` (the chance that draft j is accepted given drafts 1..j-1
+were) a round of depth N commits on average ``E(N) = 1 + sum_{k<=N} prod_{j<=k} a_j`` tokens and
+costs ``cost(N)`` seconds (drafting + one verify forward; depth 0 is one plain decode step). The
+controller picks ``argmax E(N) / cost(N)`` over ``0 .. limit``, so it falls back to plain decoding
+(depth 0) when drafting does not pay, and speculation never stays slower for long.
+
+Both are running estimates: ``a_j`` an exponentially weighted mean of the outcomes at position j
+(updated only where a round reached j), ``cost(N)`` one per depth, each new sample clamped to
+within 25% of the estimate so one stall of the host cannot flip the choice. Depths never tried
+are priced by linear interpolation / extrapolation of the tried ones; every ``probe_every``
+rounds the controller tries one deeper than its choice, backing off while probes change nothing.
+The controller outlives requests (one per engine and drafter kind).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ACCEPT_EWMA = 0.1
+COST_EWMA = 0.3
+COST_CLAMP = 0.25
+PRIOR_ACCEPTANCE = 0.7  # before any evidence at a position
+TRUST_AFTER = 8  # outcomes before a position's own estimate is trusted
+
+
+@dataclass
+class DepthController:
+    max_depth: int = 8
+    probe_every: int = 8
+    fixed: int | None = None  # always this depth (tests, benchmarks), within the limit
+    acceptance: list[float] = field(default_factory=list)  # a_j, j = 1 .. max_depth
+    reached: list[int] = field(default_factory=list)
+    cost: dict[int, float] = field(default_factory=dict)  # seconds per round by depth
+    rounds: int = 0
+    _probe_interval: int = 0
+    _last_choice: int = -1
+
+    def __post_init__(self) -> None:
+        self.acceptance = [PRIOR_ACCEPTANCE] * self.max_depth
+        self.reached = [0] * self.max_depth
+        self._probe_interval = self.probe_every
+
+    # -- estimates -------------------------------------------------------------------------------
+    def expected_tokens(self, depth: int) -> float:
+        total, run = 1.0, 1.0
+        for j in range(depth):
+            run *= self._acceptance(j)
+            total += run
+        return total
+
+    def _acceptance(self, j: int) -> float:
+        if self.reached[j] >= TRUST_AFTER:
+            return self.acceptance[j]
+        trusted = [self.acceptance[i] for i in range(j) if self.reached[i] >= TRUST_AFTER]
+        return trusted[-1] if trusted else PRIOR_ACCEPTANCE
+
+    def round_cost(self, depth: int) -> float | None:
+        if depth in self.cost:
+            return self.cost[depth]
+        known = sorted(self.cost)
+        if not known:
+            return None
+        if len(known) == 1:
+            base = self.cost[known[0]]
+            return base * (1.0 + 0.15 * (depth - known[0]))  # a guess until a second sample
+        lo = max([d for d in known if d < depth], default=None)
+        hi = min([d for d in known if d > depth], default=None)
+        if lo is None:
+            lo, hi = known[0], known[1]
+        elif hi is None:
+            lo, hi = known[-2], known[-1]
+        slope = (self.cost[hi] - self.cost[lo]) / (hi - lo)
+        return max(1e-6, self.cost[lo] + slope * (depth - lo))
+
+    # -- decisions -------------------------------------------------------------------------------
+    def choose(self, limit: int) -> int:
+        """Depth for the next round, at most ``limit``."""
+        limit = max(0, min(limit, self.max_depth))
+        self.rounds += 1
+        if limit == 0:
+            return 0
+        if self.fixed is not None:
+            return min(self.fixed, limit)
+        if 0 not in self.cost:
+            return 0  # price plain decoding first
+        untried = [d for d in range(1, limit + 1) if d not in self.cost]
+        if len(self.cost) < 2 and untried:
+            return untried[0]
+        best, best_rate = 0, 0.0
+        for depth in range(limit + 1):
+            cost = self.round_cost(depth)
+            rate = self.expected_tokens(depth) / cost if cost else 0.0
+            if rate > best_rate:
+                best, best_rate = depth, rate
+        if best != self._last_choice:
+            self._probe_interval = self.probe_every
+        self._last_choice = best
+        if self.rounds % self._probe_interval == 0 and best < limit:
+            self._probe_interval = min(self._probe_interval * 2, 512)
+            return best + 1
+        return best
+
+    def record(self, depth: int, accepted: int, seconds: float) -> None:
+        """A round of ``depth`` drafts kept ``accepted`` of them and took ``seconds``."""
+        old = self.cost.get(depth)
+        if old is None:
+            self.cost[depth] = seconds
+        else:
+            sample = min(max(seconds, old * (1 - COST_CLAMP)), old * (1 + COST_CLAMP))
+            self.cost[depth] = old + COST_EWMA * (sample - old)
+        for j in range(min(depth, accepted + 1)):  # positions the round reached
+            outcome = 1.0 if j < accepted else 0.0
+            self.reached[j] += 1
+            self.acceptance[j] += ACCEPT_EWMA * (outcome - self.acceptance[j])

@@ -1,0 +1,212 @@
+"""Speculative decoding never changes the answer.
+
+* Greedy identity: for full attention, a sliding window crossed inside verify blocks, and hybrid
+  recurrent tiny models, with every drafter (prompt lookup, a draft model that agrees, one that
+  does not) and every draft length 1..8, speculative greedy output is plain greedy output token
+  for token (and logprob for logprob), also for a prompt resumed from the prefix cache.
+* Rollback: after rejected rounds every cache holds exactly the committed tokens (the next step
+  equals a fresh prefill's), and 1,000 rounds leave active memory flat.
+* The prompt-lookup index finds what the plain search finds.
+"""
+
+from __future__ import annotations
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backend.api import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
+from backend.caches.kv import KVCache
+from backend.caches.recurrent import RecurrentCache
+from backend.caches.rotating import RotatingKVCache
+from backend.engine import Engine
+from backend.memory.budgets import CacheConfig
+from backend.models.loading import load_model
+from backend.speculation.drafters import PromptLookupDrafter, lookup
+from backend.speculation.rollback import SpeculativeWrite
+from tests.fixtures.tiny_models import write_tiny_model
+
+KINDS = ("llama", "gemma3", "qwen3_next")
+
+
+def reply(engine: Engine, prompt, n=24, draft="auto", sampling=None):
+    ids, logprobs, done = [], [], None
+    request = GenerateRequest(prompt_ids=list(prompt), max_tokens=n, ignore_eos=True,
+                              logprobs=True, draft=draft,
+                              sampling=sampling or SamplingParams())
+    for event in engine.generate(request):
+        if isinstance(event, DoneEvent):
+            done = event
+        elif isinstance(event, TokenEvent) and event.token_id >= 0:
+            ids.append((event.token_id, event.from_draft))
+            logprobs.append(event.logprob)
+    return [t for t, _ in ids], logprobs, done, [f for _, f in ids]
+
+
+def copy_heavy_prompt(rng: random.Random, vocab: int) -> list[int]:
+    """Random text with a repeated passage: prompt lookup finds continuations in it."""
+    passage = [rng.randrange(3, vocab) for _ in range(12)]
+    return ([rng.randrange(3, vocab) for _ in range(5)] + passage
+            + [rng.randrange(3, vocab) for _ in range(4)] + passage[:6])
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """Draft models with the targets' tokenizer but other random weights (low acceptance)."""
+    made = {}
+
+    def make(kind):
+        if kind not in made:
+            made[kind] = write_tiny_model(tmp_path_factory.mktemp(f"draft-{kind}"), kind, seed=7)
+        return made[kind]
+
+    return make
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_speculation_equals_plain_greedy(kind, tiny_model_dir, other_draft):
+    folder = tiny_model_dir(kind)
+    memory = CacheConfig.memory_only()
+    plain = Engine.load(str(folder), cache=memory, speculation="none")
+    engines = {"lookup": lambda depth: Engine.load(str(folder), cache=memory,
+                                                   speculation="lookup", draft_depth=depth),
+               "same model": lambda depth: Engine.load(str(folder), cache=memory,
+                                                       draft=str(folder), draft_depth=depth),
+               "other model": lambda depth: Engine.load(str(folder), cache=memory,
+                                                        draft=str(other_draft(kind)),
+                                                        draft_depth=depth)}
+    rng = random.Random(kind)
+    vocab = plain.model.args.vocab_size
+    prompts = [copy_heavy_prompt(rng, vocab) for _ in range(3)]
+    expected = {tuple(p): reply(plain, p)[:2] for p in prompts}
+    for name, make in engines.items():
+        drafted = accepted = rejected_rounds = 0
+        for depth in range(1, 9):
+            engine = make(depth)
+            for prompt in prompts:
+                ids, logprobs, done, _ = reply(engine, prompt)
+                assert (ids, logprobs) == expected[tuple(prompt)], f"{name}, depth {depth}"
+                drafted += done.drafted_tokens
+                accepted += done.accepted_tokens
+            # resumed from the prefix cache: the next turn of the last conversation
+            follow = prompts[-1] + expected[tuple(prompts[-1])][0] + [5, 6, 7]
+            ids, logprobs, done, _ = reply(engine, follow, n=12)
+            assert done.cached_tokens > len(prompts[-1])
+            assert (ids, logprobs) == reply(plain, follow, n=12)[:2], f"{name} resumed, {depth}"
+            rejected_rounds += done.drafted_tokens > done.accepted_tokens
+        assert drafted > 0, f"{name} never drafted"
+        if name == "same model":
+            assert accepted == drafted  # a perfect drafter: every draft accepted
+        if name == "other model":
+            assert accepted < drafted  # rejections happened, and were rolled back exactly
+
+
+def test_tokens_say_which_came_from_drafts(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    engine = Engine.load(str(folder), cache=CacheConfig.memory_only(), draft=str(folder),
+                         draft_depth=4)
+    ids, _, done, from_draft = reply(engine, [5, 6, 7, 8], n=20)
+    assert sum(from_draft) == done.accepted_tokens > 0
+    assert done.drafter == "model" and done.mean_accepted > 0
+    assert len(done.acceptance_by_position) == 4 and done.acceptance_by_position[0] == 1.0
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
+    import json
+    import shutil
+
+    from backend.errors import ModelLoadError
+
+    folder = tiny_model_dir("llama")
+    other = tmp_path / "other-vocab"
+    shutil.copytree(folder, other)
+    spec = json.loads((other / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = list(vocab)[40:42]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # same size, two ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(ModelLoadError, match="cannot draft for .*token"):
+        Engine.load(str(folder), cache=CacheConfig.memory_only(), draft=str(other))
+
+
+# -- rollback on every cache kind ------------------------------------------------------------
+
+def _cache(kind):
+    return {"kv": KVCache, "window": lambda: RotatingKVCache(6),
+            "recurrent": RecurrentCache}[kind]()
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma3", "qwen3_next"])
+def test_rejected_rounds_leave_exactly_the_committed_tokens(case, tiny_model_dir):
+    """Many verify rounds with random acceptance, then one step: equal (bitwise) to a fresh
+    prefill of exactly the committed ids, for every cache kind the model uses."""
+    model = load_model(tiny_model_dir(case)).model
+    rng = random.Random(3)
+    caches = model.make_caches()
+    committed = [rng.randrange(3, 200) for _ in range(4)]
+    model.hidden(mx.array([committed]), caches)
+    for _ in range(12):
+        block = [rng.randrange(3, 200) for _ in range(rng.randrange(1, 9))]
+        tx = SpeculativeWrite(caches, len(block))
+        mx.eval(model.hidden(mx.array([block]), caches), [c.arrays() for c in caches])
+        keep = rng.randrange(0, len(block) + 1)
+        tx.commit(keep)
+        committed += block[:keep]
+        assert {c.offset for c in caches} == {len(committed)}
+    probe = mx.array([[9]])
+    got = model.logits(model.hidden(probe, caches))[0, -1]
+    fresh = model.make_caches()
+    for i in range(0, len(committed), 16):  # row-invariant chunks: the same state bit for bit
+        model.hidden(mx.array([committed[i:i + 16]]), fresh)
+    want = model.logits(model.hidden(probe, fresh))[0, -1]
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+@pytest.mark.parametrize("kind", ["kv", "window", "recurrent"])
+def test_a_thousand_rounds_leak_no_memory(kind):
+    rng = random.Random(0)
+    cache = _cache(kind)
+
+    def write(n):
+        if kind == "recurrent":
+            bounds = cache.boundaries(n)
+            conv = [mx.random.normal((1, 3, 8)) for _ in bounds]
+            delta = [mx.random.normal((1, 2, 4, 4)) for _ in bounds]
+            cache.advance(n, conv, delta)
+        else:
+            cache.update(mx.random.normal((1, 2, n, 8)), mx.random.normal((1, 2, n, 8)))
+        mx.eval(cache.arrays())
+
+    write(20)
+
+    def rounds(count):
+        for _ in range(count):
+            n = rng.randrange(1, 9)
+            tx = SpeculativeWrite([cache], n)
+            write(n)
+            tx.commit(rng.randrange(0, n + 1))
+            if cache.offset > 200:  # stay inside a bounded context
+                cache.restore(None, 0) if cache.can_rewind_to(0) else None
+                write(20)
+
+    rounds(100)
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    rounds(1000)
+    mx.clear_cache()
+    assert mx.get_active_memory() <= before + 64 * 1024, (before, mx.get_active_memory())
+
+
+# -- prompt lookup -----------------------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(1, 8))
+def test_lookup_index_finds_what_the_plain_search_finds(context, n):
+    drafter = PromptLookupDrafter(max_ngram=3)
+    for end in range(1, len(context) + 1):  # one growing context, as during a reply
+        draft = drafter.propose(context[:end], n, None, None)
+        assert (draft.known if draft else []) == lookup(context[:end], n, 3, 1)
