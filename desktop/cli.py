@@ -139,14 +139,27 @@ def build_parser() -> argparse.ArgumentParser:
     rm = msub.add_parser("rm")
     rm.add_argument("name")
 
-    bench = sub.add_parser("bench", help="prefill/decode speed vs mlx-lm")
+    bench = sub.add_parser("bench", help="benchmarks against mlx-lm on the same weights")
+    bench.add_argument("suite", nargs="?", choices=BENCH_SUITES, default="speed",
+                       help="speed: prefill/decode per weight format; cache: many conversations "
+                       "round-robin against arbor serve and mlx-lm's server, then a restart")
     _model_args(bench)
     bench.add_argument("--against", choices=("mlx-lm", "none"), default="mlx-lm")
     bench.add_argument("--formats", default="float32,bfloat16,4bit")
     bench.add_argument("--prompt-tokens", type=int, default=512)
-    bench.add_argument("--new-tokens", type=int, default=128)
+    bench.add_argument("--new-tokens", type=int,
+                       help="tokens per reply (default: speed 128, cache 48)")
     bench.add_argument("--hybrid", action="store_true",
                        help="also benchmark a hybrid recurrent model's prefill")
+    trace = bench.add_argument_group("bench cache")
+    trace.add_argument("--conversations", type=int, default=40)
+    trace.add_argument("--turns", type=int, default=6)
+    trace.add_argument("--system-tokens", type=int, default=1100)
+    trace.add_argument("--mlx-lm-cache-sizes", default="10",
+                       help="mlx-lm prompt-cache entries per run, comma separated")
+    trace.add_argument("--with-defaults", action="store_true",
+                       help="also run arbor serve with this machine's default budgets")
+    _cache_args(bench)
     return parser
 
 
@@ -338,19 +351,24 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    import platformdirs
+BENCH_SUITES = ("speed", "cache")
 
+
+def cmd_bench(args: argparse.Namespace) -> int:
     from backend import bench
     from backend.models.store import ModelStore
+    from backend.paths import cache_dir
 
     source = ModelStore().resolve(args.model)
+    work = cache_dir() / "bench"
+    if args.suite == "cache":
+        return _bench_cache(args, Path(source), work)
+    args.new_tokens = args.new_tokens or 128
     formats = tuple(f for f in args.formats.split(",") if f)
     unknown = [f for f in formats if f not in bench.FORMATS]
     if unknown:
         from backend.errors import InvalidRequestError
         raise InvalidRequestError(f"unknown formats {unknown} (choose from {bench.FORMATS})")
-    work = Path(platformdirs.user_cache_dir("arbor")) / "bench"
     rows = bench.run(Path(source), work, formats, args.prompt_tokens, args.new_tokens,
                      against_mlx_lm=args.against == "mlx-lm",
                      log=lambda m: print(m, file=sys.stderr))
@@ -359,6 +377,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.hybrid:
         from backend import bench_hybrid
         print(bench_hybrid.format_table(bench_hybrid.run_hybrid_bench()))
+    return 0
+
+
+def _bench_cache(args: argparse.Namespace, source: Path, work: Path) -> int:
+    from backend import bench, bench_cache
+
+    folder = bench.write_variant(source, work / f"{source.name}-float32", "float32")
+    flags, label = [], []
+    for tier in ("device", "host", "disk"):
+        value = getattr(args, f"cache_{tier}_mb")
+        if value is not None:
+            flags += [f"--cache-{tier}-mb", str(value)]
+            label.append(f"{tier} {value} MiB")
+    if args.no_disk_cache:
+        flags.append("--no-disk-cache")
+        label.append("no disk")
+    runs = [(", ".join(label) or "default budgets", flags)]
+    if args.with_defaults and flags:
+        runs.append(("default budgets", []))
+    sizes = tuple(int(n) for n in args.mlx_lm_cache_sizes.split(",") if n) \
+        if args.against == "mlx-lm" else ()
+    summaries, table = bench_cache.run(
+        folder, work, args.conversations, args.turns, args.new_tokens or 48, args.system_tokens,
+        runs, sizes, log=lambda m: print(m, file=sys.stderr))
+    print(table)
     return 0
 
 
