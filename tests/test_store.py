@@ -361,6 +361,32 @@ def test_default_model_missing_is_a_load_error(
         store.resolve(None)
 
 
+def test_default_model_that_moved_with_the_app_stays_the_default(
+    store: ModelStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The app copied or reinstalled elsewhere, same data dir: its embedded file is still the
+    default model (reused while unchanged, replaced once changed), never 'already exists'."""
+    import shutil
+
+    first = tmp_path / "app one" / "default_model"
+    first.mkdir(parents=True)
+    monkeypatch.setattr(store_module, "DEFAULT_MODEL_DIR", first)
+    write_tiny_gguf(first / "tiny.gguf")
+    path = store.resolve(None)
+    moved = tmp_path / "app two" / "default_model"
+    moved.mkdir(parents=True)
+    shutil.copy2(first / "tiny.gguf", moved / "tiny.gguf")  # same bytes, size and mtime
+    monkeypatch.setattr(store_module, "DEFAULT_MODEL_DIR", moved)
+    with monkeypatch.context() as patched:
+        patched.setattr("backend.models.gguf.import_gguf",
+                        lambda *a, **k: pytest.fail("an unchanged default model was imported again"))
+        assert store.resolve(None) == path
+    write_tiny_gguf(moved / "tiny.gguf", seed=1)  # an update of the app brings another file
+    assert store.resolve(None) == path
+    record = json.loads((path / store_module.IMPORT_RECORD).read_text())
+    assert record["source"] == str((moved / "tiny.gguf").resolve())
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("default_model_gguf")  # fails, never skips, without the default model
 def test_resolve_none_imports_the_default_model_once(

