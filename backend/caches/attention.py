@@ -97,12 +97,31 @@ def query_blocks(history: KVHistory, mask: AttentionMask) -> list[_KeyRange] | N
 
 def _native_attention(queries: mx.array, history: KVHistory, mask: AttentionMask,
                       scale: float) -> mx.array | None:
+    """The kernel, for any number of queries: blocks of at most MAX_ATTENTION_QUERIES, each
+    against the keys up to its last query (so the kernel's causal alignment holds). Every query
+    is reduced over exactly its visible keys whatever block it is in, so attention does not
+    depend on how a prompt was cut into chunks either."""
+    n_q = queries.shape[2]
     if mask.kind == "none":
+        if n_q > kernels.MAX_ATTENTION_QUERIES:
+            return None
         return kernels.attention(queries, history.keys, history.values, scale, causal=False)
-    if history.keys.shape[2] != history.query_start + history.num_queries - history.key_start:
+    first = history.key_start
+    if history.keys.shape[2] != history.query_start + n_q - first:
         return None  # keys beyond the last query: not the kernel's causal alignment
-    return kernels.attention(queries, history.keys, history.values, scale, causal=True,
-                             window=mask.window)
+    step = kernels.MAX_ATTENTION_QUERIES
+    outs = []
+    for s in range(0, n_q, step):
+        e = min(n_q, s + step)
+        end = history.query_start + e - first  # keys through this block's last query
+        lo = 0 if mask.window is None else max(0, history.query_start + s - mask.window + 1 - first)
+        out = kernels.attention(queries[..., s:e, :], history.keys[..., lo:end, :],
+                                history.values[..., lo:end, :], scale, causal=True,
+                                window=mask.window)
+        if out is None:
+            return None
+        outs.append(out)
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
 
 
 def scaled_dot_product_attention(queries: mx.array, history: KVHistory, mask: AttentionMask,
@@ -115,7 +134,7 @@ def scaled_dot_product_attention(queries: mx.array, history: KVHistory, mask: At
     history); it reduces each query over exactly its visible keys, so a verify block's rows
     equal one-token decode steps bit for bit, sliding windows included.
     """
-    if native and key_padding is None and queries.shape[2] <= kernels.MAX_ATTENTION_QUERIES:
+    if native and key_padding is None:
         out = _native_attention(queries, history, mask, scale)
         if out is not None:
             return out
