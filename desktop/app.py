@@ -62,11 +62,14 @@ def ensure_application(argv: list[str] | None = None):
     """The process's ``QApplication`` (created on first use)."""
     from PySide6.QtWidgets import QApplication
 
+    from desktop.version import app_version
+
     app = QApplication.instance()
     if app is None:
         app = QApplication(argv if argv is not None else sys.argv[:1])
         app.setApplicationName("Arbor")
         app.setApplicationDisplayName("Arbor")
+        app.setApplicationVersion(app_version())
         app.setOrganizationName("Arbor")
         app.setDesktopFileName("arbor")
     return app
@@ -96,8 +99,13 @@ def create_app(
     choice = theme or store.app_setting(THEME_KEY, "system")
     theme_manager = ThemeManager(app, choice if choice in ("system", "light", "dark") else "system")
     if loader is None:
-        def loader(ref):  # the prefix cache's budgets as the user last set them
-            return load_engine(ref, stored_budgets(store))
+        # The prefix cache's budgets as the user last set them, read here: the store's SQLite
+        # connection belongs to this thread, the loader runs on the worker's. Later changes
+        # reach the loaded engine directly (CacheDialog -> client.set_cache_budgets).
+        budgets = stored_budgets(store)
+
+        def loader(ref):
+            return load_engine(ref, budgets)
     client = InferenceClient(loader, updates_per_second=updates_per_second or DEFAULT_UPDATES_PER_SECOND)
     tasks = ModelTaskRunner()
     window = MainWindow(store, client, tasks, theme_manager, model_ref=model, load_model=load_model)

@@ -22,6 +22,8 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+from desktop.version import app_version
+
 if TYPE_CHECKING:
     from backend.memory.budgets import CacheConfig
 
@@ -97,10 +99,13 @@ def _sampling_args(p: argparse.ArgumentParser, temperature: float) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="arbor", description="Local LLM chat on MLX.")
+    parser.add_argument("--version", action="version", version=f"arbor {app_version()}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
     app = sub.add_parser("app", help="open the desktop app")
     _model_args(app)
+    app.add_argument("--smoke", action="store_true", help="open the window (any Qt platform, "
+                     "offscreen too), reply once, close; print timings as JSON (desktop/smoke.py)")
 
     chat = sub.add_parser("chat", help="terminal chat")
     _model_args(chat)
@@ -414,6 +419,10 @@ def has_display() -> bool:
 
 
 def cmd_app(args: argparse.Namespace) -> int:
+    if getattr(args, "smoke", False):  # a bare `arbor` has no app flags
+        from desktop.smoke import run_smoke
+
+        return run_smoke(args.model)
     if not has_display():
         print("arbor: no display found; starting the terminal chat", file=sys.stderr)
         ns = build_parser().parse_args(["chat"] + (["--model", args.model] if args.model else []))
