@@ -42,6 +42,28 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
 
 
+def _draft_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding (the reply is the model's own either way)."""
+    group = p.add_argument_group("speculative decoding (never changes the reply)")
+    choice = group.add_mutually_exclusive_group()
+    choice.add_argument("--draft", metavar="M", help="draft model (store name, folder or .gguf) "
+                        "with the model's vocabulary")
+    choice.add_argument("--draft-lookup", action="store_true",
+                        help="draft from the prompt's own n-grams (the default without --draft)")
+    choice.add_argument("--no-draft", action="store_true", help="plain decoding")
+    group.add_argument("--draft-depth", type=int, metavar="N",
+                       help="draft exactly N tokens per round (default: chosen each round)")
+
+
+def _engine(args: argparse.Namespace, cache=None):
+    """The engine the model, dtype, cache and draft flags ask for."""
+    from backend.engine import Engine
+
+    speculation = "none" if args.no_draft else "lookup" if args.draft_lookup else "auto"
+    return Engine.load(args.model, args.dtype, cache=cache, draft=args.draft,
+                       speculation=speculation, draft_depth=args.draft_depth)
+
+
 def _mib(text: str) -> int:
     try:
         value = int(text)
@@ -109,12 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="terminal chat")
     _model_args(chat)
+    _draft_args(chat)
     _sampling_args(chat, temperature=0.7)
     _cache_args(chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, "
                            "/v1/completions, /v1/models)")
     _model_args(serve)
+    _draft_args(serve)
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default: 127.0.0.1, this machine only; "
                        "any other address needs --api-key)")
@@ -127,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate once and exit")
     _model_args(gen)
+    _draft_args(gen)
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="user message (rendered with the chat template)")
     source.add_argument("--prompt-ids", help="raw token ids, comma separated (no template)")
@@ -206,7 +231,6 @@ def _parse_ids(text: str) -> list[int]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from backend.api import DoneEvent
-    from backend.engine import Engine
 
     prompt_ids = messages = None
     if args.prompt_ids is not None:
@@ -216,7 +240,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     else [{"role": "user", "content": args.prompt}])
         if args.system:
             messages = [{"role": "system", "content": args.system}] + messages
-    engine = Engine.load(args.model, args.dtype)
+    engine = _engine(args)
     done = None
     for event in engine.generate(_request(args, messages, prompt_ids)):
         if isinstance(event, DoneEvent):
@@ -232,6 +256,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "ttft_s": round(done.ttft_s, 4), "prefill_tps": round(done.prefill_tps, 2),
             "decode_tps": round(done.decode_tps, 2),
             "generated_tokens": done.generated_tokens, "finish_reason": done.finish_reason,
+            "drafter": done.drafter, "drafted_tokens": done.drafted_tokens,
+            "accepted_tokens": done.accepted_tokens,
+            "acceptance_by_position": [round(a, 3) for a in done.acceptance_by_position],
         }))
     else:
         print()
@@ -241,11 +268,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace, stdin=None, stdout=None) -> int:
     """Terminal chat: keeps the conversation; /reset clears it, /quit or EOF leaves."""
     from backend.api import DoneEvent
-    from backend.engine import Engine
     from backend.errors import ArborError
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
-    engine = Engine.load(args.model, args.dtype, cache=_cache_config(args))
+    engine = _engine(args, cache=_cache_config(args))
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     stdout.write(f"arbor chat · {engine.info.name} · /reset clears, /quit leaves, "
@@ -300,9 +326,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def load():
         engine_started.set()
-        from backend.engine import Engine
-
-        return Engine.load(args.model, args.dtype, cache=cache)
+        return _engine(args, cache=cache)
 
     code = 1  # a bug: its traceback is printed
     try:
