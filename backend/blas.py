@@ -4,6 +4,10 @@ On Linux the ``mlx[cpu]`` wheel links a bundled reference BLAS that is ~30x slow
 for float32 matrix products. Loading ``libopenblas`` with ``RTLD_GLOBAL`` first makes the dynamic
 linker resolve MLX's ``cblas_*`` symbols to it. This must run before anything imports
 ``mlx.core``; ``backend/__init__.py`` calls it. Set ``ARBOR_BLAS=reference`` to opt out.
+
+A frozen bundle (PyInstaller) carries its own copy, ``libopenblas.so.0`` at the top of the
+bundle (``sys._MEIPASS``); that copy is tried first, so the bundle is fast without a system
+OpenBLAS.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ _CANDIDATES = (
     "/usr/lib/libopenblas.so.0",
 )
 
+#: The file name of the copy a frozen bundle carries at its top (packaging/arbor.spec).
+BUNDLED_NAME = "libopenblas.so.0"
+
 #: Which BLAS MLX's CPU backend ended up with: a library path, "bundled", or "accelerate".
 active_blas = "bundled"
 
@@ -35,7 +42,7 @@ def preload_system_blas() -> str:
         return active_blas
     if "mlx.core" in sys.modules:  # too late: symbols are already bound
         return active_blas
-    for path in _CANDIDATES:
+    for path in candidates():
         if os.path.exists(path):
             try:
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
@@ -44,3 +51,14 @@ def preload_system_blas() -> str:
             active_blas = path
             break
     return active_blas
+
+
+def candidates() -> list[str]:
+    """Where OpenBLAS is looked for, in order: the frozen bundle's copy, then the system's."""
+    bundled = getattr(sys, "_MEIPASS", None) if getattr(sys, "frozen", False) else None
+    return ([os.path.join(bundled, BUNDLED_NAME)] if bundled else []) + list(_CANDIDATES)
+
+
+def system_openblas() -> str | None:
+    """The first system OpenBLAS that exists (what a bundle build copies), or None."""
+    return next((path for path in _CANDIDATES if os.path.exists(path)), None)

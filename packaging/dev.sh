@@ -3,15 +3,26 @@
 #
 #   bash packaging/dev.sh app [arbor args...]    open Arbor with the embedded default model
 #   bash packaging/dev.sh test [pytest args...]  run the test suite
+#   bash packaging/dev.sh bundle [--force]       build the double-clickable bundle (dist/Arbor/)
 #
-# Idempotent: the venv (ARBOR_VENV, default .venv) is created once and dependencies are
-# reinstalled only when pyproject.toml changes. On Debian/Ubuntu it installs the system
-# OpenBLAS (libopenblas0-pthread), which makes MLX's float32 CPU matmuls ~30x faster.
+# Idempotent: the venv (ARBOR_VENV, default .venv; for `bundle` a separate build venv,
+# ARBOR_BUNDLE_VENV, default .venv-bundle, with the runtime dependencies and PyInstaller only)
+# is created once and dependencies are reinstalled only when pyproject.toml changes. On
+# Debian/Ubuntu it installs the system OpenBLAS (libopenblas0-pthread), which makes MLX's
+# float32 CPU matmuls ~30x faster (and which the bundle carries).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-app}
 shift || true
 venv=${ARBOR_VENV:-.venv}
+[ "$mode" = bundle ] && venv=${ARBOR_BUNDLE_VENV:-.venv-bundle}
+
+apt_install() {  # apt_install PACKAGE...: true if they got installed
+  command -v apt-get >/dev/null || return 1
+  local sudo=""
+  [ "$(id -u)" = 0 ] || sudo="sudo -n"
+  { $sudo apt-get update -qq && $sudo apt-get install -y -qq "$@"; } >/dev/null 2>&1
+}
 
 install_openblas() {
   local arch
@@ -20,10 +31,31 @@ install_openblas() {
   ls /usr/lib/"$arch"-linux-gnu/libopenblas.so.0 /usr/lib/"$arch"-linux-gnu/openblas-pthread/libopenblas.so.0 \
     >/dev/null 2>&1 && return 0
   command -v apt-get >/dev/null || { echo "note: install OpenBLAS for fast CPU inference" >&2; return 0; }
-  local sudo=""
-  [ "$(id -u)" = 0 ] || sudo="sudo -n"
-  { $sudo apt-get update -qq && $sudo apt-get install -y -qq libopenblas0-pthread; } >/dev/null 2>&1 \
+  apt_install libopenblas0-pthread \
     || echo "note: could not install libopenblas0-pthread; MLX falls back to its slow bundled BLAS" >&2
+}
+
+install_qt_xcb_libs() {
+  # Qt's X11 platform plugin needs these; the bundle carries the ones found at build time, so a
+  # desktop without them (Qt 6 wants libxcb-cursor0, which many lack) still opens the window.
+  [ "$(uname -s)" = Linux ] && command -v dpkg-query >/dev/null || return 0
+  local missing="" pkg
+  for pkg in libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1 libxcb-image0 libxcb-render-util0 \
+      libxcb-randr0 libxcb-shape0 libxcb-xkb1 libxkbcommon-x11-0; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing="$missing $pkg"
+  done
+  [ -z "$missing" ] && return 0
+  # shellcheck disable=SC2086 # one word per package
+  apt_install $missing || echo "note: could not install$missing; the bundle needs them on the user's machine" >&2
+}
+
+install_libpython() {
+  # PyInstaller bundles the interpreter's shared library; Debian/Ubuntu ship it on its own.
+  local check='import sys; from PyInstaller.depend.bindepend import get_python_library_path as f
+sys.exit(f() is None)'
+  "$venv/bin/python" -c "$check" >/dev/null 2>&1 && return 0
+  apt_install "libpython$("$venv/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')" \
+    || echo "note: no shared Python library found; PyInstaller will say what it needs" >&2
 }
 
 install_python_deps() {
@@ -64,8 +96,15 @@ case "$mode" in
     export QT_QPA_PLATFORM=offscreen
     exec "$venv/bin/python" -m pytest -q "$@"
     ;;
+  bundle)
+    install_python_deps "[bundle]"
+    install_libpython
+    install_qt_xcb_libs
+    # build_bundle.py builds the kernels into the bundle (and stops if they cannot be built).
+    exec "$venv/bin/python" packaging/build_bundle.py "$@"
+    ;;
   *)
-    echo "usage: bash packaging/dev.sh app|test [args...]" >&2
+    echo "usage: bash packaging/dev.sh app|test|bundle [args...]" >&2
     exit 2
     ;;
 esac
