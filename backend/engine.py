@@ -102,11 +102,14 @@ class Engine:
              draft: str | Path | None = None, speculation: str = "auto",
              draft_depth: int | None = None) -> "Engine":
         """Load a store name, an HF folder or a .gguf file (None: the default model), and
-        optionally a draft model for speculative decoding (same kinds of reference)."""
+        optionally a draft model for speculative decoding (same kinds of reference; without
+        one, a stored model's paired draft unless ``speculation`` rules drafting models out)."""
         from backend.models.store import ModelStore
 
         store = ModelStore()
         folder = store.resolve(model)
+        if draft is None and speculation in ("auto", "model"):
+            draft = store.paired_draft(folder)  # a stored model's own draft (`models import`)
         loaded = load_model(folder, dtype)
         tokenizer = Tokenizer.from_folder(folder)
         draft_loaded = None

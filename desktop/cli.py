@@ -4,7 +4,8 @@
     arbor chat [--model M]      terminal chat with history
     arbor serve [--model M] [--host H] [--port P] [--api-key K]   OpenAI-compatible server
     arbor generate ...          one generation; --json prints one machine-readable object
-    arbor models list | import PATH [--name N] [--quantize 4|8] | rm NAME
+    arbor models list | import PATH [--name N] [--quantize 4|8] [--draft D [--quantize-draft 4|8]]
+                | rm NAME | unpair NAME
     arbor bench [--model M] [--against mlx-lm] [--formats float32,bfloat16,4bit] [--hybrid]
 
 Every user-caused problem (bad file, unknown architecture, prompt too long, bad arguments) is
@@ -166,8 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("path", type=Path)
     imp.add_argument("--name")
     imp.add_argument("--quantize", type=int, choices=(4, 8))
-    rm = msub.add_parser("rm")
+    imp.add_argument("--draft", metavar="DRAFT", help="pair a draft model for speculative "
+                     "decoding: a stored name, or a folder or .gguf file to import too (same "
+                     "vocabulary); generate, chat, serve and the app then draft with it")
+    imp.add_argument("--quantize-draft", type=int, choices=(4, 8),
+                     help="quantize the draft as it is imported")
+    rm = msub.add_parser("rm", help="remove a model (not while it is another's paired draft)")
     rm.add_argument("name")
+    unpair = msub.add_parser("unpair", help="forget a model's paired draft (both stay)")
+    unpair.add_argument("name")
 
     bench = sub.add_parser("bench", help="benchmarks against mlx-lm on the same weights")
     bench.add_argument("suite", nargs="?", choices=BENCH_SUITES, default="speed",
@@ -355,9 +363,13 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     store = ModelStore()
     if args.models_command == "list":
-        for m in store.list():
+        models = store.list()
+        names = {m.name for m in models}
+        for m in models:
+            draft = "" if m.draft is None else f"  draft {m.draft}" + (
+                "" if m.draft in names else " (missing)")
             print(f"{m.name:40} {m.architecture:12} {m.quantization or 'float':12} "
-                  f"{m.size_bytes / 1e6:9.1f} MB")
+                  f"{m.size_bytes / 1e6:9.1f} MB{draft}")
     elif args.models_command == "import":
         # A progress line only on a terminal, ended before any error: piped stderr gets
         # nothing but the one-line error.
@@ -369,14 +381,19 @@ def cmd_models(args: argparse.Namespace) -> int:
 
         try:
             stored = store.import_path(args.path, name=args.name, quantize=args.quantize,
-                                       progress=progress)
+                                       progress=progress, draft=args.draft,
+                                       quantize_draft=args.quantize_draft)
         finally:
             if on_terminal:
                 sys.stderr.write("\n")
-        print(f"imported {stored.name} -> {stored.path}")
+        paired = f" (draft: {stored.draft})" if stored.draft else ""
+        print(f"imported {stored.name} -> {stored.path}{paired}")
     elif args.models_command == "rm":
         store.remove(args.name)
         print(f"removed {args.name}")
+    elif args.models_command == "unpair":
+        store.unpair(args.name)
+        print(f"{args.name} has no paired draft now")
     return 0
 
 

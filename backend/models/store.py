@@ -2,13 +2,16 @@
 
 Layout: ``<root>/<name>/`` holds ``config.json``, ``*.safetensors`` (plus
 ``model.safetensors.index.json`` when sharded), the tokenizer files and ``arbor_import.json``
-(where it came from, so importing the same source again is a no-op). ``<root>`` is
+(where it came from, so importing the same source again is a no-op), and ``arbor_draft.json``
+when a draft model is paired with it (``pair``; ``Engine.load`` then drafts with it). ``<root>`` is
 ``$ARBOR_HOME/models`` when ``ARBOR_HOME`` is set, else
 ``platformdirs.user_data_dir("arbor")/models``.
 
 Imports are atomic: everything is written into ``<root>/.partial-<pid>-*`` and renamed to
 ``<root>/<name>`` only when complete, so a failed or interrupted import never shows up as a model.
-Leftovers of a crashed process are swept on the next import.
+Leftovers of a crashed process are swept on the next import. An import with a draft
+(``import_path(..., draft=...)``) adds the draft too when needed and writes the pairing last; if
+the pairing is refused (another vocabulary) or anything fails, what that call added is removed.
 
 Sources: a Hugging Face folder (``config.json`` + safetensors, sharded or not, plain or in the
 mlx-community quantized layout) or a ``.gguf`` file (converted by ``backend.models.gguf``).
@@ -46,6 +49,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # (packaging/arbor_build.py) when Arbor is installed.
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 IMPORT_RECORD = "arbor_import.json"
+PAIRING_FILE = "arbor_draft.json"  # {"draft": "<store name>"}: the draft paired with a model
 
 _PARTIAL_PREFIX = ".partial-"
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
@@ -69,7 +73,8 @@ _FOREIGN_WEIGHTS = (
 @dataclass(frozen=True)
 class StoredModel:
     """A model in the store. ``quantization`` is e.g. ``"4-bit g32"``, ``"4-bit g32 + 8-bit g32"`` or ``None``
-    (floating point); ``parameters`` counts logical weights (a packed 4-bit word counts 8)."""
+    (floating point); ``parameters`` counts logical weights (a packed 4-bit word counts 8);
+    ``draft`` is the store name of the paired draft model, if any (``ModelStore.pair``)."""
 
     name: str
     path: Path
@@ -77,6 +82,7 @@ class StoredModel:
     quantization: str | None
     size_bytes: int
     parameters: int | None
+    draft: str | None = None
 
 
 def _count_parameters(files: Iterable[Path], config: dict[str, Any]) -> int:
@@ -108,12 +114,13 @@ def describe_folder(folder: Path, name: str | None = None) -> StoredModel:
     from backend.models.quantize import describe_quantization
 
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+    draft = read_pairing(folder)
     try:
         config = read_config(folder)
         parameters: int | None = _count_parameters(weight_files(folder), config)
         quantization = describe_quantization(config)
     except ModelLoadError:
-        return StoredModel(name or folder.name, folder, "unknown", None, size, None)
+        return StoredModel(name or folder.name, folder, "unknown", None, size, None, draft)
     return StoredModel(
         name=name or folder.name,
         path=folder,
@@ -121,7 +128,19 @@ def describe_folder(folder: Path, name: str | None = None) -> StoredModel:
         quantization=quantization,
         size_bytes=size,
         parameters=parameters,
+        draft=draft,
     )
+
+
+def read_pairing(folder: Path) -> str | None:
+    """The store name of the draft paired with the model in ``folder``; None when there is no
+    pairing or its file is unreadable (a model without a draft still loads)."""
+    try:
+        data = json.loads((folder / PAIRING_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    draft = data.get("draft") if isinstance(data, dict) else None
+    return draft if isinstance(draft, str) and _NAME_PATTERN.match(draft) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,20 +329,11 @@ class ModelStore:
 
     def list(self) -> list[StoredModel]:
         """Every stored model, sorted by name."""
-        if not self.root.is_dir():
-            return []
-        folders = sorted(
-            p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")
-        )
-        return [describe_folder(folder) for folder in folders]
+        return [describe_folder(folder) for folder in self._folders()]
 
     def names(self) -> list[str]:
         """Names of the stored models, sorted."""
-        if not self.root.is_dir():
-            return []
-        return sorted(
-            p.name for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")
-        )
+        return [folder.name for folder in self._folders()]
 
     def get(self, name: str) -> StoredModel:
         """The stored model ``name``; ``ModelLoadError`` listing the available names otherwise."""
@@ -341,6 +351,8 @@ class ModelStore:
         name: str | None = None,
         quantize: int | None = None,
         progress: Progress | None = None,
+        draft: str | Path | None = None,
+        quantize_draft: int | None = None,
     ) -> StoredModel:
         """Import a Hugging Face folder or a ``.gguf`` file as ``name`` (default: its stem).
 
@@ -348,12 +360,76 @@ class ModelStore:
         quantized weights keep their spec. Importing the same source with the same options again
         returns the existing entry; any other existing ``name`` is a ``ModelLoadError``.
         Atomic: on failure nothing is left in the store.
+
+        ``draft``: a stored model's name, or a folder or ``.gguf`` file imported (or reused) as
+        under its own name (``quantize_draft`` bits), paired with this model (``pair``). When
+        the pairing is refused or an import fails, what this call added is removed again.
         """
-        return self._import(Path(src).expanduser(), name, quantize, progress, replace_stale=False)
+        src = Path(src).expanduser()
+        if draft is None:
+            if quantize_draft is not None:
+                raise ModelLoadError("a draft's quantization needs a draft to import")
+            return self._import(src, name, quantize, progress, replace_stale=False)
+        before = set(self.names())
+        added: list[str] = []
+        try:
+            helper = self._draft_to_pair(draft, quantize_draft, progress)
+            if helper.name not in before:
+                added.append(helper.name)
+            target = self._import(src, name, quantize, progress, replace_stale=False)
+            if target.name not in before and target.name not in added:
+                added.append(target.name)
+            return self.pair(target.name, helper.name)
+        except BaseException:
+            for made in reversed(added):  # the target before its draft (nothing pairs them yet)
+                self.remove(made)
+            raise
+
+    def pair(self, name: str, draft: str) -> StoredModel:
+        """Pair the stored model ``draft`` with ``name`` as its draft model (replacing an earlier
+        pairing): ``Engine.load(name)`` then drafts with it unless told otherwise. A draft must
+        have the model's vocabulary, id for id (``ModelLoadError`` naming the first difference
+        otherwise, nothing written)."""
+        from backend.tokenizer import Tokenizer
+
+        target, helper = self.get(name), self.get(draft)
+        if target.name == helper.name:
+            raise ModelLoadError(f"{name!r} cannot be its own draft")
+        reason = Tokenizer.from_folder(target.path).vocabulary_mismatch(
+            Tokenizer.from_folder(helper.path))
+        if reason:
+            raise ModelLoadError(f"{draft!r} cannot draft for {name!r}: {reason}")
+        staged = target.path / f".{PAIRING_FILE}.{os.getpid()}"
+        staged.write_text(json.dumps({"draft": helper.name}) + "\n", encoding="utf-8")
+        os.replace(staged, target.path / PAIRING_FILE)  # readers see the old or the new pairing
+        return self.get(name)
+
+    def unpair(self, name: str) -> StoredModel:
+        """Forget ``name``'s paired draft (the draft stays in the store)."""
+        target = self.get(name)
+        (target.path / PAIRING_FILE).unlink(missing_ok=True)
+        return self.get(name)
+
+    def paired_draft(self, folder: Path) -> Path | None:
+        """The folder of the draft paired with the stored model in ``folder``; None for a folder
+        outside the store, a model without a pairing, or a paired draft removed by hand."""
+        folder = Path(folder)
+        if folder.parent.resolve() != self.root.resolve():
+            return None
+        name = read_pairing(folder)
+        draft = self._folder(name) if name else None
+        return draft if draft is not None and draft.is_dir() else None
 
     def remove(self, name: str) -> None:
-        """Delete the stored model ``name`` (``ModelLoadError`` if there is none)."""
+        """Delete the stored model ``name`` (``ModelLoadError`` if there is none, or while it
+        is another model's paired draft: that pairing would be lost unseen)."""
         folder = self.get(name).path
+        users = [other.name for other in self._folders()
+                 if other.name != name and read_pairing(other) == name]
+        if users:
+            named = ", ".join(repr(user) for user in users)
+            raise ModelLoadError(f"cannot remove {name!r}: it is the paired draft of {named} "
+                                 "(unpair or remove that model first)")
         # Rename first so a half-deleted folder is never listed as a model.
         doomed = Path(tempfile.mkdtemp(prefix=f"{_PARTIAL_PREFIX}{os.getpid()}-", dir=self.root))
         os.rename(folder, doomed / name)
@@ -373,11 +449,10 @@ class ModelStore:
         """
         if ref is None:
             return self._resolve_default(progress)
+        folder = self._stored_folder(ref)
+        if folder is not None:
+            return folder
         text = str(ref)
-        if isinstance(ref, str) and "/" not in text and os.sep not in text:
-            folder = self._folder(text)
-            if folder is not None and folder.is_dir():
-                return folder
         path = Path(text).expanduser()
         if path.is_dir():
             read_config(path)  # fail early and clearly on a folder that is not a model
@@ -394,6 +469,38 @@ class ModelStore:
         )
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _folders(self) -> list[Path]:
+        """The stored models' folders, sorted by name (work folders start with a dot)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+    def _stored_folder(self, ref: str | Path) -> Path | None:
+        """The folder of a stored model that ``ref`` names (a plain name, no path separators)."""
+        text = str(ref)
+        if isinstance(ref, str) and "/" not in text and os.sep not in text:
+            folder = self._folder(text)
+            if folder is not None and folder.is_dir():
+                return folder
+        return None
+
+    def _draft_to_pair(self, draft: str | Path, quantize: int | None,
+                       progress: Progress | None) -> StoredModel:
+        """The stored model ``draft`` names, or the import (or earlier import) of the folder or
+        ``.gguf`` file it names."""
+        folder = self._stored_folder(draft)
+        if folder is not None:
+            if quantize is not None:
+                raise ModelLoadError(f"the draft {str(draft)!r} is already stored: it is "
+                                     "quantized only when imported from a file or folder")
+            return describe_folder(folder)
+        path = Path(draft).expanduser()
+        if not path.exists():
+            available = ", ".join(self.names()) or "none"
+            raise ModelLoadError(f"draft {str(draft)!r} is not a stored model, a model folder or "
+                                 f"a .gguf file (stored: {available})")
+        return self._import(path, None, quantize, progress, replace_stale=False)
 
     def _folder(self, name: str) -> Path | None:
         """The folder for a valid store name, or ``None`` for a name that cannot be one."""
@@ -517,5 +624,6 @@ __all__ = [
     "describe_folder",
     "import_hf_folder",
     "read_config",
+    "read_pairing",
     "weight_files",
 ]
