@@ -90,16 +90,24 @@ class Decoding:
     logprobs: bool = False
     generated: list[int] = field(default_factory=list)
     stats: DraftStats = field(default_factory=DraftStats)
+    # Told of every forward (``Drafter.observe``: start position, ids, hidden states), so a
+    # drafter that drafts from the target's hidden states gets them (speculation/mtp.py).
+    observe: Callable[[int, mx.array, mx.array], None] | None = None
+
+    def _hidden(self, tokens: mx.array) -> mx.array:
+        start = self.caches[0].offset
+        hidden = self.model.hidden(tokens.reshape(1, -1), self.caches)  # (1, N, hidden)
+        if self.observe is not None:
+            self.observe(start, tokens, hidden)
+        return hidden
 
     def step(self, tokens: mx.array) -> mx.array:
         """Lazy logits (vocab,) after feeding ``tokens``."""
-        hidden = self.model.hidden(tokens.reshape(1, -1), self.caches)
-        return self.model.logits(hidden[:, -1:, :])[0, -1]
+        return self.model.logits(self._hidden(tokens)[:, -1:, :])[0, -1]
 
     def block(self, tokens: mx.array) -> mx.array:
         """Lazy logits (N, vocab) of every position of ``tokens`` (a verify block)."""
-        hidden = self.model.hidden(tokens.reshape(1, -1), self.caches)
-        return self.model.logits(hidden)[0]
+        return self.model.logits(self._hidden(tokens))[0]
 
     def history(self, drafts: mx.array | None = None) -> mx.array | None:
         """The penalty window of prompt + generated ids (+ in-flight ``drafts``), or None when
@@ -147,9 +155,15 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
     token, logprob = d.sample(logits)
     ahead = d.step(token.reshape(1)) if d.budget > 1 else None  # the row judging draft 1
     mx.async_eval([a for a in (token, logprob, ahead) if a is not None])
-    last_depth, t_round = 0, clock()
+    in_flight, t_round = None, clock()  # (depth, accepted) of the round that just ended
     while True:
         token_id = int(token.item())
+        # A round runs from one of these syncs to the next (its own block and the queued step
+        # it waits on): the wall time the depth controller weighs against what it committed.
+        now = clock()
+        if in_flight is not None:
+            controller.record(*in_flight, now - t_round)
+        t_round = now
         if ahead is not None:
             d.held.append(token_id)
         d.generated.append(token_id)
@@ -163,9 +177,7 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
             token, logprob = d.sample(ahead)
             ahead = d.step(token.reshape(1)) if remaining > 1 else None
             mx.async_eval([a for a in (token, logprob, ahead) if a is not None])
-            now = clock()
-            controller.record(last_depth, 0, now - t_round)
-            last_depth, t_round = 0, now
+            in_flight = (0, 0)
             continue
         drafts = draft.tokens
         n = drafts.shape[0]
@@ -192,9 +204,7 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
         d.held.extend(ids[:keep])
         drafter.settle(d.held)
         d.stats.record(n, accepted)
-        now = clock()
-        controller.record(n, accepted, now - t_round)
-        last_depth, t_round = n, now
+        in_flight = (n, accepted)
         for j in range(keep if eos_at is None else eos_at + 1):
             d.generated.append(ids[j])
             yield Emitted(ids[j], True, None if lps is None else float(lps[j, ids[j]].item()))

@@ -47,11 +47,12 @@ from backend.models.quantize import describe_quantization
 from backend.sampling import Sampler
 from backend.speculation.depth import DepthController
 from backend.speculation.drafters import Drafter, ModelDrafter, PromptLookupDrafter
+from backend.speculation.mtp import mtp_drafter
 from backend.tokenizer import StopMatcher, Tokenizer
 
 PREFILL_CHUNK = 2048
 MAX_DRAFT = 8  # most draft tokens per verify round (verify blocks of up to 16 are exact)
-SPECULATION_CHOICES = ("auto", "model", "lookup", "none")
+SPECULATION_CHOICES = ("auto", "model", "mtp", "lookup", "none")
 
 Event = TokenEvent | DoneEvent
 
@@ -73,7 +74,9 @@ class Engine:
                  draft_depth: int | None = None) -> None:
         """``draft``: a draft model with this tokenizer's vocabulary (``load`` checks it);
         ``speculation``: the drafter requests get by default ("auto": the draft model if there
-        is one, else prompt lookup; "model", "lookup", or "none" for plain decoding);
+        is one, else the checkpoint's multi-token-prediction head if it ships one, else prompt
+        lookup; "model", "mtp", "lookup", or "none" for plain decoding; the head's caches are
+        kept only under "auto" and "mtp");
         ``draft_depth``: draft exactly this many tokens per round (None: the depth controller
         chooses, 0 .. MAX_DRAFT)."""
         if speculation not in SPECULATION_CHOICES:
@@ -85,11 +88,12 @@ class Engine:
         self.prefill_chunk = prefill_chunk  # None: PREFILL_CHUNK
         self.cache_config = cache if cache is not None else CacheConfig.default()
         self.draft = draft
-        self.drafter = ModelDrafter(draft.model, Path(draft.folder).name) if draft else None
-        self.speculation = ("model" if draft else "lookup") if speculation == "auto" \
-            else speculation
+        self.drafter = (ModelDrafter(draft.model, Path(draft.folder).name) if draft else
+                        mtp_drafter(self.model) if speculation in ("auto", "mtp") else None)
+        self.speculation = (self.drafter.kind if self.drafter else "lookup") \
+            if speculation == "auto" else speculation
         self.target_caches = self.model.make_caches()
-        # The draft model's caches are live caches too: the prefix cache stores them alongside.
+        # The drafter's caches are live caches too: the prefix cache stores them alongside.
         self.caches = self.target_caches + (self.drafter.caches if self.drafter else [])
         self.prefix = self._prefix_cache(self.cache_config)
         self._controllers: dict[str, DepthController] = {}
@@ -130,6 +134,8 @@ class Engine:
             fingerprint = _fingerprint(self.loaded, memo)
             if self.draft is not None:  # the stored states include the draft model's
                 fingerprint = f"{fingerprint}-{_fingerprint(self.draft, memo)[:12]}"
+            elif self.drafter is not None:  # ... or the MTP head's
+                fingerprint = f"{fingerprint}-{self.drafter.kind}"
             disk = DiskStore(Path(config.directory), fingerprint)
         return PrefixCache(self.caches, config.budgets, disk,
                            evaluate=lambda caches: mx.eval([c.arrays() for c in caches]),
@@ -218,10 +224,12 @@ class Engine:
             if cancel is not None and cancel.is_set():
                 return None
             chunk = prompt[begin:min(begin + chunk_size, len(prompt) - 1)]
-            hidden = self.model.hidden(mx.array(chunk)[None], self.target_caches)  # (1, n, hid)
+            ids = mx.array(chunk)
+            hidden = self.model.hidden(ids[None], self.target_caches)  # (1, n, hid)
             mx.eval(hidden, [c.arrays() for c in self.target_caches])
             if self.drafter is not None:
-                self.drafter.feed(chunk)  # the draft model's caches stay in step
+                self.drafter.observe(begin, ids, hidden)  # an MTP head drafts from these
+                self.drafter.feed(chunk)  # the drafter's caches stay in step
             held.extend(chunk)
         if cancel is not None and cancel.is_set():
             return None
@@ -232,7 +240,10 @@ class Engine:
     def _step(self, tokens: list[int] | mx.array) -> mx.array:
         """Lazy logits (vocab,) after feeding ``tokens`` to the target's live caches."""
         ids = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
+        start = self.target_caches[0].offset
         hidden = self.model.hidden(ids.reshape(1, -1), self.target_caches)
+        if self.drafter is not None:
+            self.drafter.observe(start, ids, hidden)
         return self.model.logits(hidden[:, -1:, :])[0, -1]  # (vocab,)
 
     def generate(self, request: GenerateRequest,
@@ -272,7 +283,8 @@ class Engine:
         self.prefix.attach_captures(held)
         eos = frozenset() if request.ignore_eos else self.tokenizer.eos_token_ids
         decoding = Decoding(self.model, self.target_caches, sampler, list(prompt), held, budget,
-                            eos, request.logprobs)
+                            eos, request.logprobs,
+                            observe=self.drafter.observe if self.drafter else None)
         detok = self.tokenizer.detokenizer()
         stops = StopMatcher(request.stop)
         pieces: list[str] = []
@@ -325,6 +337,7 @@ class Engine:
             drafter=stats.drafter,
             acceptance_by_position=stats.acceptance_by_position,
             mean_accepted=stats.mean_accepted,
+            draft_rounds=stats.rounds,
             cached_by_tier=dict(resume.by_tier),
             restore_s=resume.restore_s,
         )
@@ -341,9 +354,12 @@ class Engine:
         choice = request.draft if request.draft != "auto" else self.speculation
         if choice == "none":
             return None
-        if choice == "model":
-            if self.drafter is None:
-                raise InvalidRequestError("no draft model is loaded (load one with --draft)")
+        if choice in ("model", "mtp"):
+            if self.drafter is None or self.drafter.kind != choice:
+                raise InvalidRequestError(
+                    "no draft model is loaded (load one with --draft)" if choice == "model" else
+                    "no multi-token-prediction head is in use (the checkpoint ships none, or "
+                    "the engine was loaded with a draft model or without speculation)")
             return self.drafter
         return PromptLookupDrafter()
 

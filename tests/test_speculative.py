@@ -206,7 +206,7 @@ def test_a_thousand_rounds_leak_no_memory(kind):
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=60), st.integers(1, 8))
 def test_lookup_index_finds_what_the_plain_search_finds(context, n):
-    drafter = PromptLookupDrafter(max_ngram=3)
+    drafter = PromptLookupDrafter(max_ngram=3, min_ngram=1)
     for end in range(1, len(context) + 1):  # one growing context, as during a reply
         draft = drafter.propose(context[:end], n, None, None)
         assert (draft.known if draft else []) == lookup(context[:end], n, 3, 1)

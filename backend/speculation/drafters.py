@@ -5,6 +5,10 @@ One protocol for every kind:
 * ``caches``: live caches the drafter keeps beside the target's (part of the prefix cache, so a
   resumed conversation does not re-prefill the drafter either); empty for prompt lookup.
 * ``feed(tokens)``: the target consumed these ids (prefill chunks); keep the caches in step.
+* ``observe(start, tokens, hidden)``: every target forward (prefill chunks, the step feeding
+  each token, verify blocks before their rollback) reports the ids it fed at positions
+  ``start ..`` and its final hidden states ``(1, n, hidden)``; a head that drafts from the
+  target's hidden state (``speculation/mtp.py``) keeps them, the others ignore them.
 * ``propose(held, n, sampler, history) -> Draft | None``: up to ``n`` tokens that may follow
   ``held`` (every id the target caches hold, the newest last), as lazy arrays, or None when there
   is nothing to propose; a sampling drafter draws through ``sampler`` with the penalty window
@@ -18,7 +22,8 @@ One protocol for every kind:
 context that occurred before, and what followed it there; free, any model, point-mass drafts.
 ``ModelDrafter``: a small model with the same vocabulary, sampled through the request's own
 sampler (penalties, temperature, filters), its caches lagging the target's and caught up lazily,
-so a plain decoding stretch costs it nothing.
+so a plain decoding stretch costs it nothing. ``MTPDrafter`` (``mtp.py``): the checkpoint's own
+multi-token-prediction head, drafting from the target's hidden states.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ class Drafter(Protocol):
 
     def feed(self, tokens: Sequence[int]) -> None: ...
 
+    def observe(self, start: int, tokens: mx.array, hidden: mx.array) -> None: ...
+
     def propose(self, held: Sequence[int], n: int, sampler: Sampler,
                 history: History) -> Draft | None: ...
 
@@ -66,7 +73,7 @@ class PromptLookupDrafter:
 
     kind = "lookup"
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
         self.caches: list[Cache] = []
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._tokens: list[int] = []
@@ -74,6 +81,9 @@ class PromptLookupDrafter:
         self._before: dict[tuple[int, ...], int] = {}  # ... and of the one before it
 
     def feed(self, tokens: Sequence[int]) -> None:
+        pass
+
+    def observe(self, start: int, tokens: mx.array, hidden: mx.array) -> None:
         pass
 
     def _index(self, held: Sequence[int]) -> None:
@@ -131,6 +141,23 @@ def lookup(context: Sequence[int], n: int, max_ngram: int, min_ngram: int) -> li
     return []
 
 
+def sample_chain(logits: mx.array, n: int, sampler: Sampler, history: History,
+                 next_logits: Callable[[mx.array], mx.array]) -> Draft:
+    """``n`` drafts sampled one after another through the request's sampler: draft 1 from
+    ``logits`` (vocab,), each next one from ``next_logits(previous draft)``, the penalty window
+    holding the drafts so far. All lazy: the chain and the verify run as one graph."""
+    tokens, logprobs = [], []
+    for i in range(n):
+        window = history(mx.stack(tokens) if tokens else None)
+        dist = sampler.distributions(logits[None], [window])[0]
+        token = dist.sample()
+        tokens.append(token)
+        logprobs.append(dist.logprobs)
+        if i + 1 < n:
+            logits = next_logits(token)
+    return Draft(mx.stack(tokens), mx.stack(logprobs))
+
+
 class ModelDrafter:
     """A small model with the target's vocabulary; see the module docstring."""
 
@@ -151,6 +178,9 @@ class ModelDrafter:
             hidden = self.model.hidden(mx.array(list(tokens), dtype=mx.int32)[None], self.caches)
             mx.eval(hidden, [c.arrays() for c in self.caches])
 
+    def observe(self, start: int, tokens: mx.array, hidden: mx.array) -> None:
+        pass  # it runs its own model on the ids
+
     def propose(self, held: Sequence[int], n: int, sampler: Sampler,
                 history: History) -> Draft | None:
         """Feed what lags (ending with the newest held id), then sample ``n`` drafts, lazily:
@@ -159,16 +189,7 @@ class ModelDrafter:
         if not pending or n < 1:
             return None
         logits = self._logits(mx.array(pending, dtype=mx.int32))
-        tokens, logprobs = [], []
-        for i in range(n):
-            window = history(mx.stack(tokens) if tokens else None)
-            dist = sampler.distributions(logits[None], [window])[0]
-            token = dist.sample()
-            tokens.append(token)
-            logprobs.append(dist.logprobs)
-            if i + 1 < n:
-                logits = self._logits(token.reshape(1))
-        return Draft(mx.stack(tokens), mx.stack(logprobs))
+        return sample_chain(logits, n, sampler, history, lambda t: self._logits(t.reshape(1)))
 
     def _logits(self, tokens: mx.array) -> mx.array:
         hidden = self.model.hidden(tokens[None], self.caches)

@@ -1,0 +1,191 @@
+"""``arbor bench spec``: plain against speculative decoding, in one run, on the same weights.
+
+Rows, each greedy over the same prompts with a fixed number of new tokens:
+
+* Arbor plain decoding (``speculation="none"``) - the baseline;
+* Arbor with prompt lookup, on copy-heavy prompts (rewrite or extract from a given text) and
+  on prompts where drafting does not pay (open questions);
+* Arbor with a draft model: the float32 model as target, its own 4-bit quantization (Arbor's
+  quantizer, float32 scales, the layout mlx-lm loads too) as draft;
+* mlx-lm's plain and speculative decoding (``speculative_generate_step``) on the same pair.
+
+Decode tok/s = (new tokens - 1) / (time from the first to the last token), the best of
+``repeats`` runs per row (the machine is shared and noisy). Every speculative row also reports
+whether its tokens equal the plain row's (they must), acceptance and mean accepted length.
+Timings belong here, never in tests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+
+from backend.api import DoneEvent, GenerateRequest, TokenEvent
+from backend.engine import Engine
+from backend.memory.budgets import CacheConfig
+from backend.tokenizer import Tokenizer
+
+PASSAGE = (
+    "The old lighthouse stood at the end of the harbor wall, its white paint worn grey by "
+    "decades of salt and wind. Every evening the keeper climbed the one hundred and twelve "
+    "steps to light the lamp, and every morning he wrote the weather in a leather book: the "
+    "direction of the wind, the height of the waves, the ships that passed. In the winter of "
+    "the great storm the book filled up in a single week, and the keeper started a second one."
+)
+COPY_PROMPTS = (
+    f"Rewrite the following text exactly as it is, word for word:\n\n{PASSAGE}",
+    f"Copy the text below, then stop.\n\n{PASSAGE}",
+    f"Extract the sentences that mention the keeper from this text, word for word:\n\n{PASSAGE}",
+)
+OPEN_PROMPTS = (
+    "What are three good habits for staying healthy?",
+    "Write a short poem about autumn leaves.",
+    "Explain why the sky is blue in simple words.",
+)
+
+
+@dataclass
+class Row:
+    engine: str
+    drafter: str
+    prompts: str
+    decode_tps: float
+    same_tokens: bool | None = None  # speculative rows: equal to plain decoding's tokens
+    acceptance: float | None = None
+    mean_accepted: float | None = None
+
+
+def _arbor_run(engine: Engine, prompt: str, new_tokens: int, draft: str):
+    """(token ids, decode tok/s, done event) of one greedy reply."""
+    request = GenerateRequest(messages=[{"role": "user", "content": prompt}],
+                              max_tokens=new_tokens, ignore_eos=True, draft=draft)
+    engine.clear_cache()  # every run prefills alike; only decoding differs
+    ids, done = [], None
+    for event in engine.generate(request):
+        if isinstance(event, DoneEvent):
+            done = event
+        elif isinstance(event, TokenEvent) and event.token_id >= 0:
+            ids.append(event.token_id)
+    return ids, done.decode_tps, done
+
+
+def _best(runs: int, once: Callable[[], tuple]) -> tuple:
+    best = None
+    for _ in range(runs):
+        result = once()
+        if best is None or result[1] > best[1]:
+            best = result
+    return best
+
+
+def arbor_rows(target: Path, draft: Path, new_tokens: int, repeats: int,
+               log: Callable[[str], None]) -> tuple[list[Row], dict]:
+    memory = CacheConfig.memory_only()
+    plain = Engine.load(str(target), cache=memory, speculation="none")
+    spec = Engine.load(str(target), cache=memory, draft=str(draft))
+    # Warm up both (kernels, compiled graphs, the depth controller's first estimates).
+    for engine, choice in ((plain, "none"), (spec, "lookup"), (spec, "model")):
+        _arbor_run(engine, OPEN_PROMPTS[0], 24, choice)
+    rows, plain_ids = [], {}
+    for label, prompts in (("copy-heavy", COPY_PROMPTS), ("open", OPEN_PROMPTS)):
+        results = {}
+        for choice in ("none", "lookup", "model"):
+            engine = plain if choice == "none" else spec
+            tps, same, drafted, accepted, rounds = [], True, 0, 0, 0
+            for prompt in prompts:
+                log(f"arbor {choice} {label}: {prompt[:40]!r}")
+                ids, rate, done = _best(repeats, lambda: _arbor_run(engine, prompt, new_tokens,
+                                                                    choice))
+                tps.append(rate)
+                if choice == "none":
+                    plain_ids[prompt] = ids
+                else:
+                    same &= ids == plain_ids[prompt]
+                    drafted += done.drafted_tokens
+                    accepted += done.accepted_tokens
+                    rounds += done.draft_rounds
+            results[choice] = Row(
+                "arbor", {"none": "plain", "lookup": "prompt lookup",
+                          "model": "draft model (4-bit self)"}[choice], label,
+                sum(tps) / len(tps), None if choice == "none" else same,
+                accepted / drafted if drafted else None,
+                accepted / rounds if rounds else None)
+        rows += list(results.values())
+    return rows, plain_ids
+
+
+def mlx_lm_rows(target: Path, draft: Path, new_tokens: int, repeats: int, num_draft: int,
+                log: Callable[[str], None]) -> list[Row]:
+    from mlx_lm.generate import generate_step, speculative_generate_step
+    from mlx_lm.utils import load_model as mlx_lm_load
+
+    model, _ = mlx_lm_load(target)
+    draft_model, _ = mlx_lm_load(draft)
+    tokenizer = Tokenizer.from_folder(target)
+
+    def timed(steps) -> tuple[list[int], float]:
+        ids, first, last = [], None, None
+        for token, *_ in steps:
+            last = time.perf_counter()
+            first = first or last
+            ids.append(int(token))
+        return ids, (len(ids) - 1) / max(last - first, 1e-9)
+
+    rows = []
+    for label, prompts in (("copy-heavy", COPY_PROMPTS), ("open", OPEN_PROMPTS)):
+        for name, run in (
+                ("plain", lambda ids: generate_step(ids, model, max_tokens=new_tokens)),
+                (f"draft model (4-bit self, {num_draft} drafts)",
+                 lambda ids: speculative_generate_step(ids, model, draft_model,
+                                                       num_draft_tokens=num_draft,
+                                                       max_tokens=new_tokens))):
+            tps = []
+            for prompt in prompts:
+                log(f"mlx-lm {name} {label}: {prompt[:40]!r}")
+                ids = mx.array(tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}]))
+                tps.append(_best(repeats, lambda: timed(run(ids)))[1])
+            rows.append(Row("mlx-lm", name, label, sum(tps) / len(tps)))
+    return rows
+
+
+def run(source: Path, work: Path, new_tokens: int = 128, repeats: int = 2,
+        against_mlx_lm: bool = True, mlx_lm_drafts: int = 3,
+        log: Callable[[str], None] = print) -> list[Row]:
+    from backend.bench import write_variant
+    from backend.models.store import ModelStore
+
+    target = write_variant(source, work / f"{source.name}-float32", "float32")
+    draft = ModelStore(work / "store").import_path(target, name=f"{source.name}-q4",
+                                                    quantize=4).path
+    rows, _ = arbor_rows(target, draft, new_tokens, repeats, log)
+    if against_mlx_lm:
+        rows += mlx_lm_rows(target, draft, new_tokens, repeats, mlx_lm_drafts, log)
+    return rows
+
+
+def format_table(rows: list[Row], new_tokens: int) -> str:
+    plain = {(r.engine, r.prompts): r.decode_tps for r in rows if r.drafter == "plain"}
+    lines = [f"greedy, {new_tokens} new tokens per reply, decode tok/s (best of runs, mean over "
+             "prompts); ratio against the same engine's plain decoding",
+             f"{'engine':7} {'drafter':34} {'prompts':11} {'tok/s':>7} {'ratio':>6} "
+             f"{'same tokens':>11} {'accepted':>8} {'per round':>9}"]
+    for r in rows:
+        base = plain.get((r.engine, r.prompts))
+        ratio = f"{r.decode_tps / base:5.2f}x" if base else "-"
+        same = "-" if r.same_tokens is None else ("yes" if r.same_tokens else "NO")
+        acc = "-" if r.acceptance is None else f"{100 * r.acceptance:.0f}%"
+        per = "-" if r.mean_accepted is None else f"{r.mean_accepted:.2f}"
+        lines.append(f"{r.engine:7} {r.drafter:34} {r.prompts:11} {r.decode_tps:7.1f} "
+                     f"{ratio:>6} {same:>11} {acc:>8} {per:>9}")
+    pairs = {r.prompts: r for r in rows if r.engine == "arbor" and r.drafter.startswith("draft")}
+    theirs = {r.prompts: r for r in rows if r.engine == "mlx-lm" and r.drafter.startswith("draft")}
+    for prompts in pairs:
+        if prompts in theirs:
+            lines.append(f"draft-model pair, {prompts}: arbor / mlx-lm speculative "
+                         f"{pairs[prompts].decode_tps / theirs[prompts].decode_tps:.2f}x")
+    return "\n".join(lines)
