@@ -217,6 +217,7 @@ class ChatController(QObject):
             messages=prompt_messages(settings, self.store.lineage(user.id)),
             sampling=settings.sampling(),
             max_tokens=settings.max_tokens,
+            draft=settings.speculation,  # drafting changes the speed, never the reply
         )
         model_name = self.model_info.name if self.model_info else None
         reply = self.store.add_message(conversation_id, user.id, "assistant", "", status="streaming", model=model_name)

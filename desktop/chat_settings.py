@@ -1,4 +1,5 @@
-"""Per-chat settings: the system prompt and the sampling knobs, with app-wide defaults.
+"""Per-chat settings: the system prompt, the sampling knobs and speculative decoding, with
+app-wide defaults.
 
 A conversation stores only the values the user changed (``ChatSettings.to_overrides``); the
 effective settings are the app defaults updated with those overrides, so changing a default later
@@ -22,10 +23,21 @@ LIMITS: dict[str, tuple[float, float]] = {
     "max_tokens": (1, 32768),
 }
 
+#: Speculative decoding per chat, as ``GenerateRequest.draft`` takes it, with the words the
+#: settings dialog shows. "auto" is the model's own default: its paired draft model, else
+#: prompt lookup. Drafting never changes the reply, only how fast it comes.
+SPECULATION_CHOICES: dict[str, str] = {
+    "auto": "Automatic (the model's paired draft, else prompt lookup)",
+    "model": "Draft model (the model's paired draft)",
+    "lookup": "Prompt lookup",
+    "none": "Off",
+}
+
 
 @dataclass(frozen=True)
 class ChatSettings:
-    """What shapes one chat's replies. ``seed=None`` means a fresh random seed per reply."""
+    """What shapes one chat's replies. ``seed=None`` means a fresh random seed per reply;
+    ``speculation`` is one of ``SPECULATION_CHOICES``."""
 
     system_prompt: str = ""
     temperature: float = 0.7
@@ -35,6 +47,7 @@ class ChatSettings:
     repetition_penalty: float = 1.0
     max_tokens: int = 1024
     seed: int | None = None
+    speculation: str = "auto"
 
     def sampling(self) -> SamplingParams:
         """The engine's ``SamplingParams`` for these settings."""
@@ -48,9 +61,11 @@ class ChatSettings:
         )
 
     def validated(self) -> "ChatSettings":
-        """A copy with every numeric knob clamped into ``LIMITS`` (imported files may hold
-        anything)."""
+        """A copy with every numeric knob clamped into ``LIMITS`` and an unknown speculation
+        choice back to "auto" (imported files may hold anything)."""
         changes: dict[str, Any] = {}
+        if self.speculation not in SPECULATION_CHOICES:
+            changes["speculation"] = "auto"
         for name, (low, high) in LIMITS.items():
             value = getattr(self, name)
             kind = int if isinstance(low, int) and isinstance(high, int) else float
@@ -80,6 +95,8 @@ class ChatSettings:
             if key not in known:
                 continue
             if key == "system_prompt" and isinstance(value, str):
+                changes[key] = value
+            elif key == "speculation" and isinstance(value, str) and value in SPECULATION_CHOICES:
                 changes[key] = value
             elif key == "seed" and (value is None or (isinstance(value, int) and not isinstance(value, bool))):
                 changes[key] = value

@@ -1,4 +1,5 @@
-"""Model-manager jobs off the GUI thread: list, import, download from the Hub, delete.
+"""Model-manager jobs off the GUI thread: list, import (optionally with a draft to pair), download
+from the Hub, delete, unpair a draft.
 
 One ``ModelTaskRunner`` thread runs the jobs in order (so two imports never race for a name) while
 the inference worker keeps chatting. Each job has a task id and a ``threading.Event``:
@@ -102,9 +103,11 @@ class ModelTaskRunner(WorkerHandle):
     def list_models(self) -> int:
         return self.submit(lambda store, report, cancel: store.list())
 
-    def import_model(self, source: Path, name: str | None = None, quantize: int | None = None) -> int:
+    def import_model(self, source: Path, name: str | None = None, quantize: int | None = None,
+                     draft: str | None = None) -> int:
+        """Import ``source``; ``draft``: a stored model to pair with it as its draft."""
         return self.submit(lambda store, report, cancel: store.import_path(
-            Path(source), name=name or None, quantize=quantize, progress=report))
+            Path(source), name=name or None, quantize=quantize, progress=report, draft=draft))
 
     def download_model(self, repo_id: str, *, filename: str | None = None, name: str | None = None,
                        quantize: int | None = None) -> int:
@@ -118,6 +121,9 @@ class ModelTaskRunner(WorkerHandle):
 
     def remove_model(self, name: str) -> int:
         return self.submit(lambda store, report, cancel: store.remove(name))
+
+    def unpair_model(self, name: str) -> int:
+        return self.submit(lambda store, report, cancel: store.unpair(name))
 
     def submit(self, job: Job) -> int:
         """Queue ``job`` behind the others; returns its task id."""

@@ -91,8 +91,11 @@ def stats_from_done(done: DoneEvent) -> dict[str, Any]:
         "ttft_s": round(done.ttft_s, 4),
         "prefill_tps": round(done.prefill_tps, 2),
         "decode_tps": round(done.decode_tps, 2),
+        "drafter": done.drafter,  # "model", "lookup" or "" (plain decoding)
         "drafted_tokens": done.drafted_tokens,
         "accepted_tokens": done.accepted_tokens,
+        "acceptance_by_position": [round(a, 3) for a in done.acceptance_by_position],
+        "mean_accepted": round(done.mean_accepted, 3),
         "cached_by_tier": dict(done.cached_by_tier),  # live / device / host / disk
         "restore_s": round(done.restore_s, 4),
     }

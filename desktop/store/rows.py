@@ -52,8 +52,11 @@ STATS_FIELDS: dict[str, type] = {
     "ttft_s": float,
     "prefill_tps": float,
     "decode_tps": float,
+    "drafter": str,
     "drafted_tokens": float,
     "accepted_tokens": float,
+    "acceptance_by_position": list,  # of draft position j: accepted / reached (numbers)
+    "mean_accepted": float,
     "cached_by_tier": dict,  # tier name -> tokens (numbers)
     "restore_s": float,
 }
@@ -106,6 +109,8 @@ def clean_stats(value: Any) -> tuple[dict[str, Any] | None, list[str]]:
             dropped.append(key)
         elif kind is dict and not (isinstance(item, dict) and all(
                 isinstance(k, str) and _finite_number(v) for k, v in item.items())):
+            dropped.append(key)
+        elif kind is list and not (isinstance(item, list) and all(map(_finite_number, item))):
             dropped.append(key)
         else:
             kept[key] = item

@@ -53,11 +53,29 @@ def format_stats(stats: dict[str, Any] | None) -> str:
         note = f" ({', '.join([f'{cached} cached'] + sources)})" if cached else ""
         parts.append(f"prompt {stats['prompt_tokens']}{note}")
     if stats.get("drafted_tokens"):
-        drafted, accepted = stats["drafted_tokens"], stats.get("accepted_tokens", 0)
-        parts.append(f"drafted {drafted}, accepted {accepted} ({100.0 * accepted / drafted:.0f}%)")
+        parts.extend(_drafting(stats))
     if stats.get("finish_reason") == "length":
         parts.append("hit max tokens")
     return " · ".join(parts)
+
+
+_DRAFTERS = {"model": "the draft model", "lookup": "prompt lookup"}
+
+
+def _drafting(stats: dict[str, Any]) -> list[str]:
+    """What speculation did, e.g. ``drafted 40 by the draft model, accepted 30 (75%)``, ``mean
+    accepted length 2.50`` (accepted drafts per verify round), ``by position 90/75/60%`` (how
+    often the j-th draft of a round was accepted when a round reached it)."""
+    drafted, accepted = stats["drafted_tokens"], stats.get("accepted_tokens", 0)
+    drafter = stats.get("drafter") or ""
+    by = f" by {_DRAFTERS.get(drafter, drafter)}" if drafter else ""
+    parts = [f"drafted {drafted}{by}, accepted {accepted} ({100.0 * accepted / drafted:.0f}%)"]
+    if stats.get("mean_accepted") is not None:
+        parts.append(f"mean accepted length {stats['mean_accepted']:.2f}")
+    if stats.get("acceptance_by_position"):
+        rates = "/".join(f"{100.0 * rate:.0f}" for rate in stats["acceptance_by_position"])
+        parts.append(f"by position {rates}%")
+    return parts
 
 
 def _small_button(text: str, accessible: str, tooltip: str) -> QToolButton:

@@ -1,5 +1,6 @@
-"""The model manager: installed models, import (folder or GGUF, optional quantization), Hub
-download with progress and resume, delete, and "use this model"."""
+"""The model manager: installed models with their paired drafts, import (folder or GGUF, optional
+quantization, optionally paired with an installed draft model), Hub download with progress and
+resume, delete, unpair a draft, and "use this model"."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class ModelManagerDialog(QDialog):
         self.table_model = ModelTableModel(self)
         self.table_model.set_loaded(loaded_name)
         self._current_task: int | None = None
+        self._done_text: str | None = None  # what the status says when the current task ends
         self._list_task: int | None = None
 
         layout = QVBoxLayout(self)
@@ -63,8 +65,11 @@ class ModelManagerDialog(QDialog):
         self.use_button.setAccessibleName("Use selected model")
         self.delete_button = QPushButton("Delete")
         self.delete_button.setAccessibleName("Delete selected model")
+        self.unpair_button = QPushButton("Unpair draft")
+        self.unpair_button.setAccessibleName("Unpair the selected model's draft")
         row.addWidget(self.use_button)
         row.addWidget(self.delete_button)
+        row.addWidget(self.unpair_button)
         row.addStretch(1)
         layout.addLayout(row)
 
@@ -90,6 +95,13 @@ class ModelManagerDialog(QDialog):
         local.addWidget(self.import_folder_button)
         local.addWidget(self.import_gguf_button)
         local.addStretch(1)
+        local.addWidget(QLabel("Draft"))
+        self.draft_combo = QComboBox()
+        self.draft_combo.setAccessibleName("Draft model to pair with an import")
+        self.draft_combo.setToolTip("An installed model with the same vocabulary that drafts "
+                                    "tokens for the imported one (speculative decoding)")
+        self._set_draft_choices([])
+        local.addWidget(self.draft_combo)
         add_layout.addLayout(local)
         hub = QHBoxLayout()
         self.repo_edit = QLineEdit()
@@ -124,6 +136,7 @@ class ModelManagerDialog(QDialog):
 
         self.use_button.clicked.connect(self._use)
         self.delete_button.clicked.connect(self._delete)
+        self.unpair_button.clicked.connect(self._unpair)
         self.import_folder_button.clicked.connect(self._pick_folder)
         self.import_gguf_button.clicked.connect(self._pick_gguf)
         self.download_button.clicked.connect(self._download)
@@ -142,7 +155,8 @@ class ModelManagerDialog(QDialog):
 
     def import_path(self, source: Path) -> int:
         return self._start(self.tasks.import_model(Path(source), self.name_edit.text().strip() or None,
-                                                   self.quantize_combo.currentData()),
+                                                   self.quantize_combo.currentData(),
+                                                   draft=self.draft_combo.currentData()),
                            f"Importing {Path(source).name}…")
 
     def download(self, repo_id: str, filename: str | None = None) -> int:
@@ -164,8 +178,9 @@ class ModelManagerDialog(QDialog):
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _start(self, task_id: int, message: str) -> int:
+    def _start(self, task_id: int, message: str, done_text: str | None = None) -> int:
         self._current_task = task_id
+        self._done_text = done_text
         self.progress.setValue(0)
         self.status.setText(message)
         self._set_running(True)
@@ -174,8 +189,18 @@ class ModelManagerDialog(QDialog):
     def _set_running(self, running: bool) -> None:
         self.progress.setVisible(running)
         self.cancel_button.setVisible(running)
-        for button in (self.import_folder_button, self.import_gguf_button, self.download_button, self.delete_button):
+        for button in (self.import_folder_button, self.import_gguf_button, self.download_button, self.delete_button,
+                       self.unpair_button):
             button.setEnabled(not running)
+
+    def _set_draft_choices(self, names: list[str]) -> None:
+        """"No draft" and every installed model, keeping the current choice while it exists."""
+        current = self.draft_combo.currentData()
+        self.draft_combo.clear()
+        self.draft_combo.addItem("No draft", None)
+        for name in names:
+            self.draft_combo.addItem(name, name)
+        self.draft_combo.setCurrentIndex(max(0, self.draft_combo.findData(current)))
 
     def _use(self) -> None:
         name = self.selected_name()
@@ -189,6 +214,16 @@ class ModelManagerDialog(QDialog):
         answer = QMessageBox.question(self, "Delete model", f"Delete “{name}” from disk?")
         if answer == QMessageBox.StandardButton.Yes:
             self._start(self.tasks.remove_model(name), f"Deleting {name}…")
+
+    def _unpair(self) -> None:
+        name = self.selected_name()
+        if not name:
+            return
+        if self.table_model.model_named(name).draft is None:
+            self.status.setText(f"{name} has no paired draft.")
+            return
+        self._start(self.tasks.unpair_model(name), f"Unpairing {name}'s draft…",
+                    f"{name} has no paired draft now.")
 
     def _pick_folder(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Choose a Hugging Face model folder")
@@ -215,6 +250,7 @@ class ModelManagerDialog(QDialog):
         if task_id == self._list_task:
             self._list_task = None
             self.table_model.set_models(result)
+            self._set_draft_choices([model.name for model in result])
             self.table.resizeColumnsToContents()
             self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
             return
@@ -223,7 +259,7 @@ class ModelManagerDialog(QDialog):
         self._current_task = None
         self._set_running(False)
         name = getattr(result, "name", None)
-        self.status.setText(f"Added {name}." if name else "Done.")
+        self.status.setText(self._done_text or (f"Added {name}." if name else "Done."))
         self.models_changed.emit()
         self.refresh()
 

@@ -1,10 +1,12 @@
-"""The chat settings dialog: system prompt and sampling for one chat, or the app defaults."""
+"""The chat settings dialog: system prompt, sampling and speculative decoding for one chat, or
+the app defaults."""
 
 from __future__ import annotations
 
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
     QCheckBox,
+    QComboBox,
     QDialog,
     QDialogButtonBox,
     QDoubleSpinBox,
@@ -18,7 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from desktop.chat_settings import LIMITS, ChatSettings
+from desktop.chat_settings import LIMITS, SPECULATION_CHOICES, ChatSettings
 
 
 def _double(name: str, step: float, decimals: int = 2) -> QDoubleSpinBox:
@@ -81,6 +83,12 @@ class ChatSettingsDialog(QDialog):
         self.fixed_seed.toggled.connect(self.seed.setEnabled)
         seed_row.addWidget(self.fixed_seed)
         seed_row.addWidget(self.seed, 1)
+        self.speculation = QComboBox()
+        self.speculation.setAccessibleName("Speculative decoding")
+        self.speculation.setToolTip("Drafting guesses tokens the model then checks: replies come "
+                                    "faster and are exactly what the model would have written")
+        for choice, label in SPECULATION_CHOICES.items():
+            self.speculation.addItem(label, choice)
         form.addRow("Temperature", self.temperature)
         form.addRow("Top p", self.top_p)
         form.addRow("Top k", self.top_k)
@@ -88,6 +96,7 @@ class ChatSettingsDialog(QDialog):
         form.addRow("Repetition penalty", self.repetition_penalty)
         form.addRow("Max tokens", self.max_tokens)
         form.addRow("Seed", seed_row)
+        form.addRow("Speculative decoding", self.speculation)
         layout.addLayout(form)
 
         row = QHBoxLayout()
@@ -118,6 +127,7 @@ class ChatSettingsDialog(QDialog):
         self.fixed_seed.setChecked(settings.seed is not None)
         self.seed.setEnabled(settings.seed is not None)
         self.seed.setValue(settings.seed or 0)
+        self.speculation.setCurrentIndex(max(0, self.speculation.findData(settings.speculation)))
 
     def settings(self) -> ChatSettings:
         return ChatSettings(
@@ -129,6 +139,7 @@ class ChatSettingsDialog(QDialog):
             repetition_penalty=round(self.repetition_penalty.value(), 4),
             max_tokens=self.max_tokens.value(),
             seed=self.seed.value() if self.fixed_seed.isChecked() else None,
+            speculation=self.speculation.currentData(),
         ).validated()
 
     def accept(self) -> None:

@@ -95,11 +95,12 @@ def human_count(n: int | None) -> str:
 class ModelTableModel(QAbstractTableModel):
     """The model manager's table of installed models."""
 
-    COLUMNS = ("Name", "Architecture", "Quantization", "Parameters", "Size")
+    COLUMNS = ("Name", "Architecture", "Quantization", "Parameters", "Size", "Draft")
 
     def __init__(self, parent=None) -> None:
         super().__init__(parent)
         self._models: list["StoredModel"] = []
+        self._names: set[str] = set()
         self.loaded_name: str | None = None
 
     def rowCount(self, parent: Index = QModelIndex()) -> int:
@@ -131,6 +132,9 @@ class ModelTableModel(QAbstractTableModel):
                 return human_count(model.parameters)
             if column == 4:
                 return human_bytes(model.size_bytes)
+            if column == 5:  # the paired draft model (speculative decoding), if any
+                missing = model.draft is not None and model.draft not in self._names
+                return (model.draft or "") + (" (missing)" if missing else "")
         if role == Qt.ItemDataRole.ToolTipRole:
             return str(model.path)
         if role == Qt.ItemDataRole.TextAlignmentRole and index.column() in (3, 4):
@@ -145,6 +149,7 @@ class ModelTableModel(QAbstractTableModel):
     def set_models(self, models: "list[StoredModel]") -> None:
         self.beginResetModel()
         self._models = list(models)
+        self._names = {model.name for model in self._models}
         self.endResetModel()
 
     def set_loaded(self, name: str | None) -> None:
@@ -154,3 +159,6 @@ class ModelTableModel(QAbstractTableModel):
 
     def model_at(self, row: int) -> "StoredModel":
         return self._models[row]
+
+    def model_named(self, name: str) -> "StoredModel":
+        return next(model for model in self._models if model.name == name)
