@@ -31,17 +31,22 @@ def draft_folder(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("draft") / "tiny-draft", "llama", seed=7)
 
 
-@pytest.fixture(scope="module")
-def other_vocabulary(tiny_model_dir, tmp_path_factory) -> Path:
-    """The target's weights with a tokenizer whose ids differ: two tokens swapped."""
-    folder = tmp_path_factory.mktemp("other") / "other-vocab"
-    shutil.copytree(tiny_model_dir("llama"), folder)
+def copy_with_other_vocabulary(model: Path, folder: Path) -> Path:
+    """A copy of ``model`` whose tokenizer gives two tokens each other's ids (same size)."""
+    shutil.copytree(model, folder)
     spec = json.loads((folder / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     a, b = list(vocab)[40:42]
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (folder / "tokenizer.json").write_text(json.dumps(spec))
     return folder
+
+
+@pytest.fixture(scope="module")
+def other_vocabulary(tiny_model_dir, tmp_path_factory) -> Path:
+    """The target's weights with a tokenizer whose ids differ."""
+    return copy_with_other_vocabulary(tiny_model_dir("llama"),
+                                      tmp_path_factory.mktemp("other") / "other-vocab")
 
 
 def arbor(capsys, *argv: str) -> tuple[int, str, str]:

@@ -5,7 +5,6 @@ the model manager shows, pairs and unpairs a model's draft."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -14,6 +13,7 @@ from PySide6.QtCore import Qt
 from desktop.app import create_app
 from desktop.chat_settings import ChatSettings
 from desktop.store import ChatStore
+from tests.test_model_pairing import copy_with_other_vocabulary
 
 GREEDY = ChatSettings(temperature=0.0, max_tokens=24)
 
@@ -127,12 +127,7 @@ def test_the_model_manager_shows_pairs_and_unpairs_drafts(qtbot, launch, model_s
     finish(lambda: manager.import_path(tiny_model_dir("qwen2")))
     assert draft_shown("tiny-qwen") == "self-draft" and model_store.get("tiny-qwen").draft == "self-draft"
     # Another vocabulary: one line, nothing added.
-    other = shutil.copytree(tiny_model_dir("llama"), tmp_path / "other-vocab")
-    spec = json.loads((other / "tokenizer.json").read_text())
-    vocab = spec["model"]["vocab"]
-    a, b = list(vocab)[40:42]
-    vocab[a], vocab[b] = vocab[b], vocab[a]
-    (other / "tokenizer.json").write_text(json.dumps(spec))
+    other = copy_with_other_vocabulary(tiny_model_dir("llama"), tmp_path / "other-vocab")
     before = model_store.names()
     manager.name_edit.setText("")
     with qtbot.waitSignal(parts.tasks.failed, timeout=30000):
