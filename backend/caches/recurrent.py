@@ -2,7 +2,9 @@
 
 The state after ``offset`` tokens is two arrays: ``conv`` ``(B, K-1, C)`` (the last inputs of the
 causal convolution, activation dtype) and ``delta`` ``(B, Hv, Dv, Dk)`` (always float32, whatever
-the activations: low-precision accumulation over long prompts drifts).
+the activations: low-precision accumulation over long prompts drifts). ``delta`` may be None
+throughout: a conv-only state, like the target hidden state the MTP drafter carries to the
+next position (``speculation/mtp.py``).
 
 A recurrent state cannot be rewound: ``can_rewind`` is False and ``restore`` succeeds only at an
 exact snapshot offset (or the current one). Snapshots are cheap to take because MLX arrays are
@@ -100,7 +102,7 @@ class RecurrentCache:
         if not len(conv_states) == len(delta_states) == len(bounds):
             raise ValueError(f"advance({n}) needs states at {bounds}: got "
                              f"{len(conv_states)} conv and {len(delta_states)} delta states")
-        if delta_states[-1].dtype != mx.float32:
+        if delta_states[-1] is not None and delta_states[-1].dtype != mx.float32:
             raise ValueError(f"the delta state must be float32, got {delta_states[-1].dtype}")
         start = self._offset
         for rel, conv, delta in zip(bounds[:-1], conv_states, delta_states):

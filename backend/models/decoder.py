@@ -36,10 +36,14 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=norm_offset)
         self.embed_scale = embed_scale
 
-    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+    def embed(self, tokens: mx.array) -> mx.array:
         h = self.embed_tokens(tokens)  # (B, N, hidden)
         if self.embed_scale is not None:
             h = h * mx.array(self.embed_scale, mx.float32).astype(h.dtype)
+        return h
+
+    def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
+        h = self.embed(tokens)
         for layer, cache in zip(self.layers, caches):
             h = layer(h, cache)
         return self.norm(h)
@@ -69,6 +73,19 @@ class DecoderModel(nn.Module):
     def hidden(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
         """Final normed hidden states (B, N, hidden); prefill chunks stop here (no logits)."""
         return self.model(tokens, caches)
+
+    def draft_head(self) -> nn.Module | None:
+        """The multi-token-prediction head the checkpoint ships (a family's ``sanitize`` adds it
+        as ``self.mtp``, e.g. Qwen3-Next's ``MTPHead``), or None; ``speculation/mtp.py``
+        drafts with it."""
+        return self.get("mtp")
+
+    def draft_hidden(self, tokens: mx.array, previous: mx.array,
+                     caches: list[Cache]) -> mx.array:
+        """The head over pairs: ``tokens`` (B, N) embedded with this model's embedding, each
+        with the hidden state before it, ``previous`` (B, N, hidden) -> (B, N, hidden) for
+        ``logits``."""
+        return self["mtp"](self.model.embed(tokens), previous, caches)
 
     def logits(self, hidden: mx.array) -> mx.array:
         if self.tied_head:

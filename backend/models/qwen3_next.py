@@ -16,6 +16,17 @@ Layer mix (``layer_types``, or every ``full_attention_interval``-th layer full):
 Checkpoints: Hugging Face (per-expert tensors, conv weight ``(C, 1, K)``, norms stored as ``w``
 of ``(1 + w)``) and mlx-lm (stacked ``switch_mlp``, conv weight ``(C, K, 1)``, norms stored as
 ``1 + w``) both load; ``sanitize`` tells them apart by the conv weight's layout.
+
+Multi-token prediction: a Hugging Face checkpoint may ship ``mtp.*`` tensors (config
+``mtp_num_hidden_layers``, or ``num_nextn_predict_layers``). ``sanitize`` then adds ``MTPHead``
+as ``self.mtp``: ``fc(concat(pre_fc_norm_embedding(embed(token t + 1)),
+pre_fc_norm_hidden(h_t)))`` -> full-attention decoder layer(s) on their own ``HeadCache`` ->
+``norm``, scored by the shared ``lm_head``. ``h_t`` is the target's final *normed* hidden state
+(what ``hidden()`` returns and ``lm_head`` scores): that is what vLLM and SGLang feed
+Qwen3-Next's head, and measured acceptance is higher with it than with the pre-norm residual.
+Several layers run as a stack. The
+mlx-lm layout never carries the head (mlx-lm strips it; tensors in that layout would be of an
+unknown norm convention), so there ``mtp.*`` is dropped, as it is when absent.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from backend.caches.base import Cache
-from backend.caches.kv import KVCache
+from backend.caches.kv import ContiguousHistory, KVCache
 from backend.caches.recurrent import RecurrentCache
 from backend.caches.scan import causal_conv1d, gated_delta, parallel_groups, run_on_streams
 from backend.errors import CheckpointError, ConfigError
@@ -82,13 +93,18 @@ class ModelArgs:
     attention_bias: bool = False
     hidden_act: str = field(default="silu", metadata=one_of(ACTIVATIONS))
     rope: RopeSettings = field(default_factory=lambda: RopeSettings(10000.0))
+    # Layers of the multi-token-prediction head, when the checkpoint ships one (0: as many as
+    # its ``mtp.layers.N`` tensors hold).
+    mtp_num_hidden_layers: int = field(default=0, metadata=ZERO_ALLOWED)
 
     @classmethod
     def from_config(cls, config: dict) -> "ModelArgs":
         block = config_mapping(config, "rope_parameters")
         factor = config.get("partial_rotary_factor", block.get("partial_rotary_factor", 0.25))
+        mtp = {} if config.get("mtp_num_hidden_layers") is not None else {  # DeepSeek's name
+            "mtp_num_hidden_layers": config.get("num_nextn_predict_layers") or 0}
         args = args_from_config(cls, config, rope=rope_settings(config, 10000.0),
-                                partial_rotary_factor=factor)
+                                partial_rotary_factor=factor, **mtp)
         complete_attention_heads(args)
         rotary = args.head_dim * args.partial_rotary_factor
         if args.partial_rotary_factor > 1 or int(rotary) < 2 or int(rotary) % 2:
@@ -230,9 +246,9 @@ class GatedDeltaNet(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, index: int):
+    def __init__(self, args: ModelArgs, index: int, full_attention: bool = False):
         super().__init__()
-        self.is_linear = args.layer_types[index] == LINEAR
+        self.is_linear = not full_attention and args.layer_types[index] == LINEAR
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(args)
         else:
@@ -254,6 +270,64 @@ class DecoderLayer(nn.Module):
         mixer = self.linear_attn if self.is_linear else self.self_attn
         h = x + mixer(self.input_layernorm(x), cache)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class HeadCache(KVCache):
+    """The MTP head's KV cache. Slot p pairs token p with the target's hidden at p - 1 (so the
+    head's cache sits at the target's offset and the prefix cache stores both alike); token 0
+    has no hidden before it, so slot 0 pairs nothing: it holds zeros (``open``) and attention
+    never sees it."""
+
+    def open(self, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> None:
+        """Write the empty slot 0 of a fresh cache."""
+        if self.offset != 0:
+            raise ValueError(f"open() on an MTP head cache at offset {self.offset}")
+        empty = mx.zeros((1, kv_heads, 1, head_dim), dtype)
+        super().update(empty, empty)
+
+    def update(self, keys: mx.array, values: mx.array) -> ContiguousHistory:
+        """As ``KVCache.update``, but the history starts at slot 1. (A restore also writes
+        through here, slot 0 included; only the head's own writes read the history.)"""
+        history = super().update(keys, values)
+        return ContiguousHistory(history.keys[..., 1:, :], history.values[..., 1:, :],
+                                 history.query_start, history.num_queries, key_start=1)
+
+
+class MTPHead(nn.Module):
+    """Qwen3-Next's multi-token-prediction head (the checkpoint's ``mtp.*``; module docstring).
+
+    ``head(embeddings, previous, caches)``: row i pairs the embedding of a token with the hidden
+    state before it (the target's, or the head's own output when it drafts further ahead), at
+    slot ``caches[0].offset + i``; returns the normed output ``(B, N, hidden)``, which the
+    shared ``lm_head`` scores and the next draft step takes as its ``previous``."""
+
+    def __init__(self, args: ModelArgs, layers: int):
+        super().__init__()
+        h, eps = args.hidden_size, args.rms_norm_eps
+        self.pre_fc_norm_embedding = RMSNorm(h, eps, offset=1.0)
+        self.pre_fc_norm_hidden = RMSNorm(h, eps, offset=1.0)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layers = [DecoderLayer(args, i, full_attention=True) for i in range(layers)]
+        self.norm = RMSNorm(h, eps, offset=1.0)
+
+    def make_caches(self) -> list[HeadCache]:
+        return [HeadCache() for _ in self.layers]
+
+    def open(self, caches: list[HeadCache], dtype: mx.Dtype) -> None:
+        """Write the empty slot 0 of fresh caches (see ``HeadCache``)."""
+        for layer, cache in zip(self.layers, caches):
+            cache.open(layer.self_attn.num_kv_heads, layer.self_attn.head_dim, dtype)
+
+    def __call__(self, embeddings: mx.array, previous: mx.array,
+                 caches: list[HeadCache]) -> mx.array:
+        if caches[0].offset == 0:
+            raise ValueError("slot 0 of the MTP head's caches pairs nothing: open() them first")
+        x = mx.concatenate([self.pre_fc_norm_embedding(embeddings),
+                            self.pre_fc_norm_hidden(previous)], axis=-1)  # (B, N, 2 * hidden)
+        x = self.fc(x)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cache)
+        return self.norm(x)
 
 
 class Model(DecoderModel):
@@ -284,7 +358,9 @@ class Model(DecoderModel):
         return mx.array(qkvz), mx.array(ba)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        weights = {k: v for k, v in super().sanitize(weights).items() if not k.startswith("mtp.")}
+        weights = super().sanitize(weights)
+        head = {k: v for k, v in weights.items() if k.startswith("mtp.")}
+        weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
         qkvz_rows, ba_rows = self._grouping_orders()
         for key in list(weights):
             # Output rows (and their quantization scales/biases, which are per row) reorder.
@@ -307,7 +383,21 @@ class Model(DecoderModel):
         if mlx_lm_layout:  # norms were stored as 1 + w; this module applies (1 + w) itself
             for key in [k for k in weights if k.endswith(_OFFSET_NORMS)]:
                 weights[key] = weights[key] - 1.0
+        elif head:
+            weights.update(self._add_head(head))
         return weights
+
+    def _add_head(self, head: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Build ``self.mtp`` for the checkpoint's ``mtp.*`` tensors (Hugging Face layout);
+        returns them under the head's parameter names (``check_weights`` vets them)."""
+        layers = self.args.mtp_num_hidden_layers or 1 + max(
+            (int(k.split(".")[2]) for k in head
+             if k.startswith("mtp.layers.") and k.split(".")[2].isdigit()), default=0)
+        self.mtp = MTPHead(self.args, layers)
+        for i in range(layers):
+            if self.args.is_sparse(i):
+                head = stack_experts(head, f"mtp.layers.{i}.mlp", self.args.num_experts)
+        return head
 
 
 def _reorder_rows(name: str, tensor: mx.array, rows: mx.array) -> mx.array:

@@ -1,0 +1,208 @@
+"""MTPDrafter: drafts with the multi-token-prediction head the checkpoint ships (Qwen3-Next
+``mtp.*``, ``models/qwen3_next.MTPHead``).
+
+The head predicts the token after next: from token t + 1 and the target's hidden state at t it
+gives the distribution of token t + 2, scored by the target's own ``lm_head``. So the pairs it
+consumes lag the target by one position, and its caches are laid out to hide that lag:
+
+* one ``HeadCache`` per head layer: slot p holds the pair (token p, target hidden at p - 1), so
+  after the target consumed ids ``[0, T)`` the head has slots ``[0, T)`` too; slot 0 pairs
+  nothing (zeros that attention never sees);
+* the *carry*, a conv-only ``RecurrentCache`` (its conv state is one row): the target hidden at
+  ``offset - 1``, which the next slot pairs with. A resumed prompt needs it (the target's hidden
+  before the restored position is not recomputed), and as a state it is stored where the
+  prefix cache stores the recurrent layers' states.
+
+All of them are live caches the engine lists beside the target's, at the target's offset
+whenever the prefix cache records them (``catch_up``).
+
+The target's hidden states arrive through ``observe(start, tokens, hidden)``: every target
+forward reports them (prefill chunks, the step feeding each token, verify blocks before their
+rollback). They are kept by position until the head consumes them; a forward at ``start``
+replaces what was observed from ``start`` on (the target rewound and recomputes those).
+
+Proposing once the target holds ``T`` ids (the newest, c, already fed): the head consumes the
+pending pairs through slot ``T - 1`` = (c, h_{T-2}) in one batched forward; its output row gives
+draft 1 (without waiting for the target's step on c, which runs meanwhile). Draft i + 1 comes from
+the pair (d_i, head output of step i), written at slot ``T - 1 + i`` of the head caches only
+(never the carry) and rewound by ``settle``. Drafts are sampled through the request's sampler,
+like a draft model's.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from backend.caches.base import Cache
+from backend.caches.recurrent import RecurrentCache
+from backend.sampling import Sampler
+from backend.speculation.drafters import Draft, History, sample_chain
+
+#: Pending target positions after which ``observe`` lets the head catch up (bounds the hidden
+#: rows kept during long stretches of plain decoding).
+FLUSH_TOKENS = 256
+
+
+class _Observed:
+    """Target forwards not yet consumed by the head: ``(start, tokens (n,), hidden (1, n, H))``
+    segments in position order."""
+
+    def __init__(self) -> None:
+        self.segments: list[tuple[int, mx.array, mx.array]] = []
+
+    @property
+    def end(self) -> int:
+        """One past the last observed position (0 when nothing is held)."""
+        if not self.segments:
+            return 0
+        start, tokens, _ = self.segments[-1]
+        return start + tokens.shape[0]
+
+    def add(self, start: int, tokens: mx.array, hidden: mx.array) -> None:
+        self.drop_from(start)
+        self.segments.append((start, tokens, hidden))
+
+    def drop_from(self, position: int) -> None:
+        """Forget what was observed at ``position`` and after."""
+        kept = []
+        for start, tokens, hidden in self.segments:
+            if start < position:
+                cut = min(tokens.shape[0], position - start)
+                kept.append((start, tokens[:cut], hidden[:, :cut]))
+        self.segments = kept
+
+    def drop_before(self, position: int) -> None:
+        kept = []
+        for start, tokens, hidden in self.segments:
+            end = start + tokens.shape[0]
+            if end > position:
+                cut = max(0, position - start)
+                kept.append((start + cut, tokens[cut:], hidden[:, cut:]))
+        self.segments = kept
+
+    def take(self, lo: int, hi: int) -> tuple[mx.array, mx.array]:
+        """Tokens (hi - lo,) and hidden states (1, hi - lo, H) of positions ``[lo, hi)``."""
+        tokens, hiddens, at = [], [], lo
+        for start, toks, hidden in self.segments:
+            end = start + toks.shape[0]
+            if end <= at or start >= hi:
+                continue
+            if start > at:
+                break
+            a, b = at - start, min(end, hi) - start
+            tokens.append(toks[a:b])
+            hiddens.append(hidden[:, a:b])
+            at = start + b
+        if at != hi:
+            raise RuntimeError(f"the MTP head needs the target's hidden states of positions "
+                               f"[{lo}, {hi}) but was told only up to {at}")
+        if len(tokens) == 1:
+            return tokens[0], hiddens[0]
+        return mx.concatenate(tokens), mx.concatenate(hiddens, axis=1)
+
+
+class MTPDrafter:
+    """Drafts with ``model.draft_head()``; see the module docstring."""
+
+    kind = "mtp"
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.head = model.draft_head()
+        if self.head is None:
+            raise ValueError("this model has no multi-token-prediction head")
+        self.head_caches: list[Cache] = self.head.make_caches()
+        self.carry = RecurrentCache()
+        self.caches: list[Cache] = [*self.head_caches, self.carry]
+        self._observed = _Observed()
+
+    @property
+    def committed(self) -> int:
+        """Slots holding pairs of the target's own ids (the carry never holds a draft's)."""
+        return self.carry.offset
+
+    # -- the target's forwards -----------------------------------------------------------------
+    def observe(self, start: int, tokens: mx.array, hidden: mx.array) -> None:
+        self._observed.add(start, tokens.reshape(-1), hidden)
+        # Everything before ``start`` is the target's own: the target holds exactly those ids.
+        if start - self.committed >= FLUSH_TOKENS:
+            self._advance(start)
+            mx.async_eval([c.arrays() for c in self.caches])
+
+    def feed(self, tokens: Sequence[int]) -> None:
+        """A prefill chunk (already observed): consume it now, so the head crosses the prefix
+        cache's capture offsets along with the target."""
+        self._advance(self._observed.end)
+        mx.eval([c.arrays() for c in self.caches])
+
+    def _advance(self, end: int) -> mx.array | None:
+        """Write the pairs of slots ``[committed, end)`` from the observed target forwards
+        (they must cover positions ``[committed, end)``) and carry the hidden at ``end - 1``;
+        the head's output at slot ``end - 1`` (1, 1, H), or None when it wrote no pair."""
+        start = self.committed
+        if end <= start:
+            return None
+        for cache in self.head_caches:  # drop drafted slots left after the committed ones
+            cache.restore(None, start)
+        tokens, hidden = self._observed.take(start, end)  # (n,), (1, n, H)
+        self._observed.drop_before(end)
+        if start == 0:
+            self.head.open(self.head_caches, hidden.dtype)
+            tokens, previous = tokens[1:], hidden[:, :-1]  # slot 0 pairs nothing
+        else:
+            previous = mx.concatenate([self.carry.conv, hidden[:, :-1]], axis=1)
+        out = None
+        if tokens.shape[0]:
+            out = self.model.draft_hidden(tokens[None], previous, self.head_caches)[:, -1:]
+        n = end - start
+        # The carried row at each boundary b (after b of the n positions) is hidden b - 1, each
+        # its own compact array: a slice would keep the whole chunk's hidden states alive.
+        states = [mx.contiguous(hidden[:, b - 1:b]) for b in self.carry.boundaries(n)]
+        self.carry.advance(n, states, [None] * len(states))
+        return out
+
+    # -- drafting ------------------------------------------------------------------------------
+    def propose(self, held: Sequence[int], n: int, sampler: Sampler,
+                history: History) -> Draft | None:
+        if n < 1:
+            return None
+        previous = self._advance(len(held))  # the pair of the newest id: (c, h_{T-2})
+        if previous is None:
+            return None  # a one-token context: its only slot pairs nothing
+        logits = self.model.logits(previous)[0, -1]
+
+        def next_logits(token: mx.array) -> mx.array:
+            nonlocal previous
+            previous = self.model.draft_hidden(token.reshape(1, 1), previous, self.head_caches)
+            return self.model.logits(previous)[0, -1]
+
+        return sample_chain(logits, n, sampler, history, next_logits)
+
+    def settle(self, held: Sequence[int]) -> None:
+        """Rewind the drafted slots and forget the hidden states of rejected positions."""
+        if self.committed > len(held):
+            raise RuntimeError(f"the MTP head committed {self.committed} positions but the "
+                               f"target holds {len(held)}")
+        for cache in self.head_caches:
+            if cache.offset > self.committed:
+                cache.restore(None, self.committed)
+        self._observed.drop_from(len(held))
+
+    def catch_up(self, held: Sequence[int]) -> None:
+        self.settle(held)
+        self._advance(len(held))
+        if any(c.offset != len(held) for c in self.caches):
+            raise RuntimeError(f"the MTP caches are at {[c.offset for c in self.caches]}, the "
+                               f"target holds {len(held)} ids")
+
+    def close(self) -> None:
+        for cache in self.caches:
+            cache.free()
+        self._observed = _Observed()
+
+
+def mtp_drafter(model) -> MTPDrafter | None:
+    """The drafter for ``model``'s multi-token-prediction head; None when it ships none."""
+    return MTPDrafter(model) if model.draft_head() is not None else None
