@@ -153,39 +153,49 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
                        clock: Callable[[], float] = time.perf_counter) -> Iterator[Emitted]:
     d.stats.drafter = drafter.kind
     token, logprob = d.sample(logits)
-    ahead = d.step(token.reshape(1)) if d.budget > 1 else None  # the row judging draft 1
+    # ``fed``: the target already holds ``token`` (the step feeding it is queued as ``ahead``,
+    # whose row judges the first draft). After a verify round the next token is known but not
+    # fed: it then leads the next verify block itself, and no separate step is spent on it.
+    ahead = d.step(token.reshape(1)) if d.budget > 1 else None
+    fed = ahead is not None
     mx.async_eval([a for a in (token, logprob, ahead) if a is not None])
     in_flight, t_round = None, clock()  # (depth, accepted) of the round that just ended
     while True:
         token_id = int(token.item())
-        # A round runs from one of these syncs to the next (its own block and the queued step
-        # it waits on): the wall time the depth controller weighs against what it committed.
+        # A round runs from one of these syncs to the next: the wall time the depth controller
+        # weighs against the tokens the round committed.
         now = clock()
         if in_flight is not None:
             controller.record(*in_flight, now - t_round)
         t_round = now
-        if ahead is not None:
+        if fed:
             d.held.append(token_id)
         d.generated.append(token_id)
         yield Emitted(token_id, False, _value(logprob))  # sampled by the target itself
-        if ahead is None:
+        remaining = d.budget - len(d.generated)
+        if remaining <= 0:
             return
-        remaining = d.budget - len(d.generated)  # >= 1: ahead was queued for it
+        context = d.held if fed else d.held + [token_id]
         depth = controller.choose(remaining - 1)  # leave room for the bonus token
-        draft = drafter.propose(d.held, depth, d.sampler, d.history) if depth else None
-        if draft is None:  # a plain step
+        draft = drafter.propose(context, depth, d.sampler, d.history) if depth else None
+        if draft is None:  # a plain step, pipelined again from here
+            if not fed:
+                ahead = d.step(token.reshape(1))
+                d.held.append(token_id)
             token, logprob = d.sample(ahead)
             ahead = d.step(token.reshape(1)) if remaining > 1 else None
+            fed = ahead is not None
             mx.async_eval([a for a in (token, logprob, ahead) if a is not None])
             in_flight = (0, 0)
             continue
         drafts = draft.tokens
         n = drafts.shape[0]
-        tx = SpeculativeWrite(d.caches, n)
+        block = drafts if fed else mx.concatenate([token.reshape(1).astype(mx.int32), drafts])
+        tx = SpeculativeWrite(d.caches, block.shape[0])
         try:
-            rows = d.block(drafts)  # (N, V): row i follows drafts[:i + 1]
+            rows = d.block(block)  # row i follows block[:i + 1]
+            target_logits = mx.concatenate([ahead[None], rows]) if fed else rows  # (N + 1, V)
             histories = [d.history(drafts[:i]) for i in range(n + 1)]
-            target_logits = mx.concatenate([ahead[None], rows])  # (N + 1, V)
             verdict = judge(d.sampler.distributions(target_logits, histories), drafts,
                             draft.logprobs, d.sampler)
             lps = (target_logits - mx.logsumexp(target_logits, axis=-1, keepdims=True)
@@ -197,10 +207,12 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
             # An accepted EOS ends the reply there: it is emitted, its state is not kept.
             eos_at = next((j for j, t in enumerate(ids[:accepted]) if t in d.eos), None)
             keep = accepted if eos_at is None else eos_at
-            tx.commit(keep)
+            tx.commit(keep + (0 if fed else 1))
         except BaseException:
             tx.abort()
             raise
+        if not fed:
+            d.held.append(token_id)
         d.held.extend(ids[:keep])
         drafter.settle(d.held)
         d.stats.record(n, accepted)
@@ -210,7 +222,7 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
             yield Emitted(ids[j], True, None if lps is None else float(lps[j, ids[j]].item()))
         if eos_at is not None:
             return
-        token = verdict.next_token
+        token, ahead, fed = verdict.next_token, None, False
         logprob = None if lps is None else lps[keep, token]
-        ahead = d.step(token.reshape(1)) if d.budget - len(d.generated) > 1 else None
-        mx.async_eval([a for a in (logprob, ahead) if a is not None])
+        if logprob is not None:
+            mx.async_eval(logprob)
