@@ -5,8 +5,9 @@ loader, the model the app would load), shows it and then, like a user:
 
 1. waits until the window is usable: shown, painted once, and the event loop turning again;
 2. waits for the model to load on the worker thread;
-3. types ``SMOKE_PROMPT`` into the composer and clicks Send, waits for the first streamed text
-   and the end of the reply;
+3. opens a new chat with settings of its own (greedy, ``SMOKE_MAX_TOKENS``: the same answer
+   every time), types ``SMOKE_PROMPT`` into the composer and clicks Send, waits for the first
+   streamed text and the end of the reply;
 4. closes the window and shuts down as ``desktop.app.run`` does.
 
 It prints one JSON object on stdout (timings in seconds; ``*_since_process_start`` count from
@@ -28,6 +29,7 @@ import time
 from typing import Any, Callable
 
 SMOKE_PROMPT = "What is the capital of France?"
+SMOKE_MAX_TOKENS = 64
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -158,7 +160,11 @@ class SmokeRun:
         parts.client.task_done.connect(lambda rid, result: native.update(result) if rid == task else None)
         self.wait("the worker's report on BLAS and kernels", lambda: bool(native))
 
-        # 3. one reply, typed and sent as a user would
+        # 3. one reply in a chat of its own, typed and sent as a user would
+        from desktop.chat_settings import ChatSettings
+
+        window.new_chat()
+        window.apply_chat_settings(ChatSettings(temperature=0.0, max_tokens=SMOKE_MAX_TOKENS))
         reply: dict[str, int] = {}
         controller.reply_updated.connect(
             lambda _cid, mid, text: (mark("first_text"), reply.setdefault("id", mid)) if text else None)

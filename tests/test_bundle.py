@@ -80,6 +80,7 @@ def test_generate_window_and_a_second_start(bundle, tmp_path):
     assert first["database_existed"] is False and first["models_before"] == [DEFAULT_MODEL_NAME]
     assert first["blas"] == str(bundle / "_internal" / "libopenblas.so.0")  # the bundled copy
     assert first["kernels"] is True, first["kernels_reason"]  # prebuilt, found when frozen
+    assert "Paris" in first["reply"]
 
     second = smoke_report([str(bundle / "arbor"), "app", "--smoke"], env)
     assert second["database_existed"] is True and second["conversations_before"] == 1
