@@ -170,15 +170,15 @@ def test_head_shapes_determinism_and_incremental_writes(tiny_model_dir):
 # -- the pairing ------------------------------------------------------------------------------
 
 def test_drafts_come_from_the_pairs_of_the_committed_ids(tiny_model_dir):
-    """Drive the drafter as the decode loop does (a prefill chunk, verify blocks rolled back to
-    a random count, one or two plain steps), and check every proposal against the head run from
-    scratch over the pairs (token p, target hidden at p - 1) of exactly the committed ids."""
+    """Drive the drafter as the decode loops do (a prefill chunk; the newest id fed by its own
+    step before the proposal, or leading the verify block after it; blocks rolled back to a
+    random count; plain steps), and check every proposal against the head run from scratch over
+    the pairs (token p, target hidden at p - 1) of exactly the committed ids."""
     model = load_model(tiny_model_dir(MTP)).model
     drafter = MTPDrafter(model)
     sampler = Sampler(SamplingParams(temperature=1.0, seed=0))  # logprobs = log-softmax
     caches = model.make_caches()
     rng = random.Random(5)
-    held: list[int] = []
     hiddens: list[mx.array] = []  # (1, 1, H): the target's hidden state at each held position
 
     def forward(ids: list[int]) -> mx.array:
@@ -195,31 +195,37 @@ def test_drafts_come_from_the_pairs_of_the_committed_ids(tiny_model_dir):
     hidden = forward(held)  # a prefill chunk
     hiddens += [hidden[:, i:i + 1] for i in range(len(held))]
     drafter.feed(held)
-    for round_ in range(12):
-        token = rng.randrange(3, 200)  # the target's next token, fed by one step
-        hiddens.append(forward([token]))
-        held.append(token)
-        if round_ % 4 == 3:
-            continue  # a plain step: no proposal this time
-        draft = drafter.propose(held, 3, sampler, lambda drafts: None)
+    leading = 0
+    for round_ in range(16):
+        token = rng.randrange(3, 200)  # the target's next token
+        fed = round_ % 2 == 0
+        if fed or round_ % 5 == 3:  # fed by its own step (a plain step when not proposing)
+            hiddens.append(forward([token]))
+            held.append(token)
+            if not fed:
+                continue
+        context = held if fed else held + [token]
+        draft = drafter.propose(context, 3, sampler, lambda drafts: None)
         fresh = drafter.head.make_caches()
         drafter.head.open(fresh, mx.float32)
-        out = model.draft_hidden(mx.array([held[1:]]), mx.concatenate(hiddens[:-1], axis=1),
-                                 fresh)[:, -1:]  # slot T - 1 = (newest id, hidden T - 2)
+        previous = mx.concatenate(hiddens[:len(context) - 1], axis=1)
+        out = model.draft_hidden(mx.array([context[1:]]), previous, fresh)[:, -1:]
         np.testing.assert_allclose(np.array(draft.logprobs[0]), log_softmax(
             model.logits(out)[0, -1]), atol=1e-5, rtol=0)
         second = model.draft_hidden(draft.tokens[:1].reshape(1, 1), out, fresh)
         np.testing.assert_allclose(np.array(draft.logprobs[1]), log_softmax(
             model.logits(second)[0, -1]), atol=1e-5, rtol=0)
-        block = draft.tokens.tolist()  # the verify block, then its rollback
+        block = ([] if fed else [token]) + draft.tokens.tolist()  # the verify, its rollback
         tx = SpeculativeWrite(caches, len(block))
         rows = forward(block)
         mx.eval(rows, [c.arrays() for c in caches])
-        keep = rng.randrange(0, len(block) + 1)
+        keep = rng.randrange(0, len(block) - 3 + 1) + (0 if fed else 1)
+        leading += not fed
         tx.commit(keep)
         held += block[:keep]
         hiddens += [rows[:, i:i + 1] for i in range(keep)]
         drafter.settle(held)
+    assert leading > 4
     drafter.catch_up(held)
     assert {c.offset for c in drafter.caches} == {len(held)}
 
@@ -231,7 +237,7 @@ def test_greedy_mtp_speculation_equals_plain_greedy(head, checkpoints):
     folder = str(checkpoints[head])
     memory = CacheConfig.memory_only()
     plain = Engine.load(folder, cache=memory, speculation="none")
-    cases = prompts(11)
+    cases = [[5], [5, 6]] + prompts(11)  # one- and two-token prompts: slot 0 only, at first
     expected = {tuple(p): reply(plain, p)[:2] for p in cases}
     drafted = accepted = 0
     for depth in range(1, 9):

@@ -60,6 +60,10 @@ class _Observed:
         start, tokens, _ = self.segments[-1]
         return start + tokens.shape[0]
 
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.segments[0][2].dtype
+
     def add(self, start: int, tokens: mx.array, hidden: mx.array) -> None:
         self.drop_from(start)
         self.segments.append((start, tokens, hidden))
@@ -117,17 +121,21 @@ class MTPDrafter:
         self.carry = RecurrentCache()
         self.caches: list[Cache] = [*self.head_caches, self.carry]
         self._observed = _Observed()
+        self._lead = 0  # see ``paired``
 
     @property
-    def committed(self) -> int:
-        """Slots holding pairs of the target's own ids (the carry never holds a draft's)."""
-        return self.carry.offset
+    def paired(self) -> int:
+        """Head slots holding pairs of the target's own ids: the carry's offset, plus one when
+        the newest id was paired before the target consumed it (it then leads the next verify
+        block). A restore by the prefix cache leaves the head at the carry's offset: no lead."""
+        lead = self._lead if self.head_caches[0].offset >= self.carry.offset + self._lead else 0
+        return self.carry.offset + lead
 
     # -- the target's forwards -----------------------------------------------------------------
     def observe(self, start: int, tokens: mx.array, hidden: mx.array) -> None:
         self._observed.add(start, tokens.reshape(-1), hidden)
         # Everything before ``start`` is the target's own: the target holds exactly those ids.
-        if start - self.committed >= FLUSH_TOKENS:
+        if start - self.carry.offset >= FLUSH_TOKENS:
             self._advance(start)
             mx.async_eval([c.arrays() for c in self.caches])
 
@@ -137,40 +145,60 @@ class MTPDrafter:
         self._advance(self._observed.end)
         mx.eval([c.arrays() for c in self.caches])
 
-    def _advance(self, end: int) -> mx.array | None:
-        """Write the pairs of slots ``[committed, end)`` from the observed target forwards
-        (they must cover positions ``[committed, end)``) and carry the hidden at ``end - 1``;
+    def _advance(self, end: int, held: Sequence[int] | None = None) -> mx.array | None:
+        """Pair the target's ids up to ``end`` and carry the newest hidden state the target
+        computed (at most ``end - 1``): writes the head slots ``[paired, end)`` (token p from
+        ``held``, else from the observed forwards; hidden p - 1 observed or carried) and returns
         the head's output at slot ``end - 1`` (1, 1, H), or None when it wrote no pair."""
-        start = self.committed
-        if end <= start:
-            return None
-        for cache in self.head_caches:  # drop drafted slots left after the committed ones
-            cache.restore(None, start)
-        tokens, hidden = self._observed.take(start, end)  # (n,), (1, n, H)
-        self._observed.drop_before(end)
-        if start == 0:
-            self.head.open(self.head_caches, hidden.dtype)
-            tokens, previous = tokens[1:], hidden[:, :-1]  # slot 0 pairs nothing
-        else:
-            previous = mx.concatenate([self.carry.conv, hidden[:, :-1]], axis=1)
+        start = self.paired
+        for cache in self.head_caches:  # drop drafted slots left after the paired ones
+            if cache.offset > start:
+                cache.restore(None, start)
         out = None
-        if tokens.shape[0]:
-            out = self.model.draft_hidden(tokens[None], previous, self.head_caches)[:, -1:]
+        if end > start:
+            if held is not None:
+                tokens = mx.array(list(held[start:end]), dtype=mx.int32)
+            else:
+                tokens = self._observed.take(start, end)[0]
+            if start == 0:
+                self.head.open(self.head_caches, self._observed.dtype)
+                tokens = tokens[1:]  # slot 0 pairs nothing
+                previous = self._observed.take(0, end - 1)[1] if end > 1 else None
+            elif start - 1 < self.carry.offset:  # the hidden before slot ``start`` is carried
+                rows = [self.carry.conv] + ([self._observed.take(start, end - 1)[1]]
+                                            if end - 1 > start else [])
+                previous = mx.concatenate(rows, axis=1) if len(rows) > 1 else rows[0]
+            else:
+                previous = self._observed.take(start - 1, end - 1)[1]
+            if tokens.shape[0]:
+                out = self.model.draft_hidden(tokens[None], previous, self.head_caches)[:, -1:]
+        self._carry_to(min(end, self._observed.end))
+        self._lead = max(end, start) - self.carry.offset
+        return out
+
+    def _carry_to(self, end: int) -> None:
+        """Advance the carry to ``end``: it then holds the target's hidden at ``end - 1``."""
+        start = self.carry.offset
+        if end <= start:
+            return
+        hidden = self._observed.take(start, end)[1]  # (1, n, H)
+        self._observed.drop_before(end)
         n = end - start
         # The carried row at each boundary b (after b of the n positions) is hidden b - 1, each
         # its own compact array: a slice would keep the whole chunk's hidden states alive.
         states = [mx.contiguous(hidden[:, b - 1:b]) for b in self.carry.boundaries(n)]
         self.carry.advance(n, states, [None] * len(states))
-        return out
 
     # -- drafting ------------------------------------------------------------------------------
     def propose(self, held: Sequence[int], n: int, sampler: Sampler,
                 history: History) -> Draft | None:
+        """``held``: the target's ids, the newest (c) perhaps not consumed yet (then it leads
+        the verify block). Draft 1 comes from the pair (c, hidden before c)."""
         if n < 1:
             return None
-        previous = self._advance(len(held))  # the pair of the newest id: (c, h_{T-2})
+        previous = self._advance(len(held), held)
         if previous is None:
-            return None  # a one-token context: its only slot pairs nothing
+            return None  # nothing new to pair (or a one-token context: its slot pairs nothing)
         logits = self.model.logits(previous)[0, -1]
 
         def next_logits(token: mx.array) -> mx.array:
@@ -182,17 +210,19 @@ class MTPDrafter:
 
     def settle(self, held: Sequence[int]) -> None:
         """Rewind the drafted slots and forget the hidden states of rejected positions."""
-        if self.committed > len(held):
-            raise RuntimeError(f"the MTP head committed {self.committed} positions but the "
+        if self.carry.offset > len(held):
+            raise RuntimeError(f"the MTP head carried {self.carry.offset} positions but the "
                                f"target holds {len(held)}")
+        keep = min(self.paired, len(held))
         for cache in self.head_caches:
-            if cache.offset > self.committed:
-                cache.restore(None, self.committed)
+            if cache.offset > keep:
+                cache.restore(None, keep)
+        self._lead = keep - self.carry.offset
         self._observed.drop_from(len(held))
 
     def catch_up(self, held: Sequence[int]) -> None:
         self.settle(held)
-        self._advance(len(held))
+        self._advance(len(held), held)
         if any(c.offset != len(held) for c in self.caches):
             raise RuntimeError(f"the MTP caches are at {[c.offset for c in self.caches]}, the "
                                f"target holds {len(held)} ids")
@@ -201,6 +231,7 @@ class MTPDrafter:
         for cache in self.caches:
             cache.free()
         self._observed = _Observed()
+        self._lead = 0
 
 
 def mtp_drafter(model) -> MTPDrafter | None:
