@@ -38,9 +38,9 @@ class BundleError(RuntimeError):
 
 
 def stamp_path() -> Path:
-    inside = cfg.DIST_DIR / f"{cfg.APP_NAME}.app" / "Contents" if sys.platform == "darwin" \
-        else cfg.bundle_dir()
-    return inside / cfg.STAMP_NAME
+    if sys.platform == "darwin":  # beside the app: a file in a signed bundle would unseal it
+        return cfg.DIST_DIR / f"{cfg.APP_NAME}.app.{cfg.STAMP_NAME}"
+    return cfg.bundle_dir() / cfg.STAMP_NAME
 
 
 def is_up_to_date() -> bool:

@@ -61,7 +61,7 @@ sys.exit(f() is None)'
 install_python_deps() {
   local extras=$1 stamp="$venv/.arbor-deps-$1"
   local want
-  want=$(sha256sum pyproject.toml | cut -c1-16)
+  want=$({ sha256sum pyproject.toml 2>/dev/null || shasum -a 256 pyproject.toml; } | cut -c1-16)
   [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && return 0
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
   # The build also fetches the default model's GGUF (packaging/arbor_build.py).
