@@ -213,3 +213,34 @@ def test_silu_mul_reads_the_halves_of_a_stacked_product_in_place(K, shape):
     g, u = mx.split(y, 2, axis=-1)  # views with a row stride of 2H
     assert close_rel(K.silu_mul(g, u), nn_silu(g) * u)
     assert close_rel(K.silu_mul(u, g), nn_silu(u) * g)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("shape", [(2, 3, 5, 9), (1, 1, 40, 40), (1, 4, 17, 300)])
+def test_causal_softmax_matches_masked_softmax(K, shape, window):
+    x = mx.random.normal(shape, key=mx.random.key(sum(shape))) * 4
+    m, n = shape[-2], shape[-1]
+    q = mx.arange(n - m, n)[:, None]
+    keys = mx.arange(n)[None]
+    allowed = keys <= q
+    if window is not None:
+        allowed = allowed & (keys > q - window)
+    want = mx.softmax(mx.where(allowed, x, -mx.inf), axis=-1)
+    got = K.causal_softmax(x, window)
+    assert max_diff(got, want) < 5e-6  # the kernel's exp: relative error < 2e-7
+    assert float(mx.max(mx.where(allowed, 0.0, got))) == 0.0  # masked keys are exactly 0
+
+
+def test_long_query_runs_match_mlx_attention(K):
+    """Prefill-sized runs (BLAS products, native masked softmax) equal MLX's attention."""
+    from backend.caches.attention import scaled_dot_product_attention
+    from backend.caches.base import CAUSAL, sliding_window
+    from backend.caches.kv import ContiguousHistory
+
+    q = mx.random.normal((1, 6, 300, 32))
+    k, v = mx.random.normal((1, 2, 340, 32)), mx.random.normal((1, 2, 340, 32))
+    history = ContiguousHistory(k, v, 40, 300)
+    for mask in (CAUSAL, sliding_window(50)):
+        got = scaled_dot_product_attention(q, history, mask, 0.2, native=True)
+        want = scaled_dot_product_attention(q, history, mask, 0.2, native=False)
+        assert max_diff(got, want) < 1e-5

@@ -97,10 +97,11 @@ def query_blocks(history: KVHistory, mask: AttentionMask) -> list[_KeyRange] | N
 
 def _native_attention(queries: mx.array, history: KVHistory, mask: AttentionMask,
                       scale: float) -> mx.array | None:
-    """The kernel, for any number of queries: blocks of at most MAX_ATTENTION_QUERIES, each
-    against the keys up to its last query (so the kernel's causal alignment holds). Every query
-    is reduced over exactly its visible keys whatever block it is in, so attention does not
-    depend on how a prompt was cut into chunks either."""
+    """The native path: the per-query kernel for up to MAX_ATTENTION_QUERIES queries (each
+    reduced over exactly its visible keys, so a verify block equals one-token steps bit for
+    bit); longer runs (prefill) in blocks of QUERY_BLOCK queries, each against the keys up to
+    its last query: scores and values through BLAS, the masked softmax in one vectorized pass
+    (MLX's CPU softmax evaluates its exponentials one by one)."""
     n_q = queries.shape[2]
     if mask.kind == "none":
         if n_q > kernels.MAX_ATTENTION_QUERIES:
@@ -108,20 +109,34 @@ def _native_attention(queries: mx.array, history: KVHistory, mask: AttentionMask
         return kernels.attention(queries, history.keys, history.values, scale, causal=False)
     first = history.key_start
     if history.keys.shape[2] != history.query_start + n_q - first:
-        return None  # keys beyond the last query: not the kernel's causal alignment
-    step = kernels.MAX_ATTENTION_QUERIES
+        return None  # keys beyond the last query: not the kernels' causal alignment
+    if n_q <= kernels.MAX_ATTENTION_QUERIES:
+        return kernels.attention(queries, history.keys, history.values, scale, causal=True,
+                                 window=mask.window)
     outs = []
-    for s in range(0, n_q, step):
-        e = min(n_q, s + step)
+    for s in range(0, n_q, QUERY_BLOCK):
+        e = min(n_q, s + QUERY_BLOCK)
         end = history.query_start + e - first  # keys through this block's last query
         lo = 0 if mask.window is None else max(0, history.query_start + s - mask.window + 1 - first)
-        out = kernels.attention(queries[..., s:e, :], history.keys[..., lo:end, :],
-                                history.values[..., lo:end, :], scale, causal=True,
-                                window=mask.window)
+        out = _blas_attention(queries[..., s:e, :], history.keys[..., lo:end, :],
+                              history.values[..., lo:end, :], scale, mask.window)
         if out is None:
             return None
         outs.append(out)
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+
+
+def _blas_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                    window: int | None) -> mx.array | None:
+    """q (B, Hq, M, D) against k, v (B, Hkv, L, D|Dv) whose last key is q's last query."""
+    b, hq, m, d = q.shape
+    hkv = k.shape[1]
+    q5 = (q * scale).reshape(b, hkv, hq // hkv, m, d)  # query head h reads kv head h // G
+    scores = q5 @ k[:, :, None].swapaxes(-1, -2)  # (B, Hkv, G, M, L)
+    probs = kernels.causal_softmax(scores, window)
+    if probs is None:
+        return None
+    return (probs @ v[:, :, None]).reshape(b, hq, m, v.shape[-1])  # (B, Hq, M, Dv)
 
 
 def scaled_dot_product_attention(queries: mx.array, history: KVHistory, mask: AttentionMask,

@@ -307,6 +307,15 @@ def attention(q: Any, k: Any, v: Any, scale: float, causal: bool,
     return None
 
 
+def causal_softmax(scores: Any, window: int | None = None) -> Any | None:
+    """Softmax over the last axis of float32 scores (..., M, L) under the causal mask aligned
+    to the last key (the last ``window`` keys of each query when given); None when the kernel
+    does not apply (then use MLX). One vectorized pass instead of MLX's scalar exponentials."""
+    if scores.ndim >= 2 and scores.shape[-1] >= scores.shape[-2] and _f32_on_cpu(scores):
+        return _module.causal_softmax(scores, int(window or 0))
+    return None
+
+
 def rms_norm(x: Any, weight: Any | None, eps: float) -> Any:
     """``mx.fast.rms_norm(x, weight, eps)``; decode-sized float32 work goes to the kernel."""
     import mlx.core as mx

@@ -179,6 +179,30 @@ void attend_group(const AttentionJob& j, int64_t bk, std::vector<float>& buf) {
     }
 }
 
+struct SoftmaxJob {
+  const float* x;
+  float* out;
+  int64_t M, L, window, rows, rows_per_chunk;
+};
+
+void softmax_chunk(void* ctx, int64_t c) {
+  const auto* j = static_cast<SoftmaxJob*>(ctx);
+  const int64_t r1 = std::min(j->rows, (c + 1) * j->rows_per_chunk);
+  for (int64_t r = c * j->rows_per_chunk; r < r1; ++r) {
+    const float* x = j->x + r * j->L;
+    float* o = j->out + r * j->L;
+    const int64_t n = j->L - j->M + r % j->M + 1;
+    const int64_t lo = j->window > 0 ? std::max<int64_t>(0, n - j->window) : 0;
+    float max = -std::numeric_limits<float>::infinity();
+    for (int64_t t = lo; t < n; ++t) max = x[t] > max ? x[t] : max;
+    std::memcpy(o + lo, x + lo, sizeof(float) * (n - lo));
+    const float inv = 1.0f / exp_shifted(o + lo, n - lo, max);
+    for (int64_t t = lo; t < n; ++t) o[t] *= inv;
+    for (int64_t t = 0; t < lo; ++t) o[t] = 0.0f;
+    for (int64_t t = n; t < j->L; ++t) o[t] = 0.0f;
+  }
+}
+
 void attend_chunk(void* ctx, int64_t c) {
   thread_local std::vector<float> buf;
   attend_group(*static_cast<AttentionJob*>(ctx), c, buf);
@@ -258,6 +282,15 @@ void attention(View3 q, View3 k, View3 v, int64_t B, int64_t Hq, int64_t Hkv, in
   // Below ~256k multiply-adds a pool hand-off costs more than it saves.
   const int64_t work = B * Hq * M * L * (D + Dv);
   parallel_for(groups, work < (1 << 18) ? 1 : max_threads(), &attend_chunk, &job);
+}
+
+void causal_softmax(const float* x, int64_t rows, int64_t M, int64_t L, int64_t window,
+                    float* out) {
+  if (rows <= 0 || L <= 0) return;
+  constexpr int64_t kChunk = 1 << 15;  // elements per pool chunk
+  const int64_t per = std::max<int64_t>(1, kChunk / L);
+  SoftmaxJob job{x, out, M, L, window, rows, per};
+  parallel_for((rows + per - 1) / per, max_threads(), &softmax_chunk, &job);
 }
 
 void silu_mul(const float* g, int64_t ldg, const float* u, int64_t ldu, int64_t rows, int64_t H,

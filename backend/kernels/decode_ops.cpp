@@ -127,6 +127,40 @@ class RmsNorm : public mx::UnaryPrimitive {
   float eps_;
 };
 
+class CausalSoftmax : public mx::UnaryPrimitive {
+ public:
+  CausalSoftmax(mx::Stream s, int64_t window) : mx::UnaryPrimitive(s), window_(window) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    alloc_out(out);
+    register_io(stream(), inputs, out);
+    const int64_t window = window_;
+    mx::cpu::get_command_encoder(stream()).dispatch(
+        [x = mx::array::unsafe_weak_copy(inputs[0]), out = mx::array::unsafe_weak_copy(out),
+         window]() mutable {
+          if (out.size() == 0) return;
+          std::vector<char> xs;
+          const float* xp = contiguous_floats(x, xs);
+          const int64_t L = x.shape(-1), M = x.shape(-2);
+          causal_softmax(xp, static_cast<int64_t>(x.size()) / L, M, L, window,
+                         out.data<float>());
+        });
+  }
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("[arbor.causal_softmax] has no GPU implementation.");
+  }
+  const char* name() const override { return "ArborCausalSoftmax"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return window_ == static_cast<const CausalSoftmax&>(other).window_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  int64_t window_;
+};
+
 class Rope : public mx::UnaryPrimitive {
  public:
   Rope(mx::Stream s, int dims, int64_t offset, float scale)
@@ -211,6 +245,15 @@ void require_f32(const char* op, const mx::array& a, const char* what) {
 }
 
 }  // namespace
+
+mx::array causal_softmax(const mx::array& x, int64_t window, mx::StreamOrDevice s) {
+  require_f32("causal_softmax", x, "scores");
+  if (x.ndim() < 2 || x.shape(-1) < x.shape(-2) || window < 0)
+    throw std::invalid_argument("[arbor.causal_softmax] expected scores (..., M, L) with L >= M "
+                                "and window >= 0; got " + shape_str(x) + ".");
+  return mx::array(x.shape(), mx::float32, std::make_shared<CausalSoftmax>(cpu_stream(s), window),
+                   {x});
+}
 
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                     bool causal, int64_t window, mx::StreamOrDevice s) {

@@ -14,6 +14,10 @@ namespace mx = mlx::core;
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                     bool causal, int64_t window = 0, mx::StreamOrDevice s = {});
 
+// Causal softmax over the last axis of float32 scores (..., M, L): query m of the
+// M sees keys 0 .. L - M + m (the last `window` of them when window > 0), others 0.
+mx::array causal_softmax(const mx::array& x, int64_t window = 0, mx::StreamOrDevice s = {});
+
 // mx.fast.rms_norm for float32 x (..., H) and weight (H,) or none.
 mx::array rms_norm(const mx::array& x, const mx::array* weight, float eps,
                    mx::StreamOrDevice s = {});

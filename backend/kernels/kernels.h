@@ -92,6 +92,13 @@ void attention(View3 q, View3 k, View3 v, int64_t B, int64_t Hq, int64_t Hkv, in
                int64_t L, int64_t D, int64_t Dv, float scale, bool causal, int64_t window,
                float* out);
 
+// Causal softmax of score rows: x (rows, L) where row r is query m = r % M of a
+// block of M queries whose keys end at the last one (query m sees keys
+// 0 .. L - M + m; with window > 0 only the last `window` of those). Masked keys
+// get probability 0. For long query runs, whose score products BLAS computes.
+void causal_softmax(const float* x, int64_t rows, int64_t M, int64_t L, int64_t window,
+                    float* out);
+
 // out (rows x H) = silu(g) * u for rows of g and u at row strides ldg / ldu
 // (threaded when large).
 void silu_mul(const float* g, int64_t ldg, const float* u, int64_t ldu, int64_t rows, int64_t H,

@@ -363,6 +363,11 @@ NB_MODULE(_arbor_kernels, m) {
         "softmax(scale * q @ k.T [causal, aligned to the last key; only the last `window` keys "
         "when window > 0]) @ v for float32 q (B, Hq, M, D), k (B, Hkv, L, D), "
         "v (B, Hkv, L, Dv) -> (B, Hq, M, Dv).");
+  m.def("causal_softmax",
+        [](const mx::array& x, int64_t window) { return arbor::causal_softmax(x, window); },
+        nb::arg("x"), nb::arg("window") = 0,
+        "Causal softmax over the last axis of float32 scores (..., M, L), aligned to the last "
+        "key (query m sees keys 0 .. L - M + m; the last `window` of them if window > 0).");
   m.def("rms_norm",
         [](const mx::array& x, std::optional<mx::array> w, float eps) {
           return arbor::rms_norm(x, w ? &*w : nullptr, eps);
