@@ -35,6 +35,18 @@ install_openblas() {
     || echo "note: could not install libopenblas0-pthread; MLX falls back to its slow bundled BLAS" >&2
 }
 
+install_build_tools() {
+  # What a fresh Debian/Ubuntu machine lacks to make the bundle from a clean clone: venv for the
+  # build venv, a C++ compiler and Python's headers for the native kernels.
+  python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || apt_install python3-venv \
+    || echo "note: could not install python3-venv" >&2
+  command -v c++ >/dev/null || command -v g++ >/dev/null || apt_install g++ \
+    || echo "note: could not install g++; the bundle needs it for the native kernels" >&2
+  python3 -c 'import os, sys, sysconfig
+sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+    || apt_install python3-dev || echo "note: could not install python3-dev" >&2
+}
+
 install_qt_xcb_libs() {
   # Qt's X11 platform plugin needs these; the bundle carries the ones found at build time, so a
   # desktop without them (Qt 6 wants libxcb-cursor0, which many lack) still opens the window.
@@ -83,7 +95,10 @@ build_kernels() {
 }
 
 install_openblas
-[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+if [ ! -x "$venv/bin/python" ]; then
+  [ "$mode" = bundle ] && [ "$(uname -s)" = Linux ] && install_build_tools  # first set-up only
+  python3 -m venv "$venv"
+fi
 case "$mode" in
   app)
     install_python_deps ""
