@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from backend.api import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
+from backend.api import SamplingParams
 from backend.engine import Engine
 from backend.errors import InvalidRequestError
 from backend.memory.budgets import CacheBudgets, CacheConfig
@@ -41,6 +41,7 @@ from backend.models.qwen3_next import HeadCache, MTPHead
 from backend.sampling import Sampler
 from backend.speculation.mtp import MTPDrafter
 from backend.speculation.rollback import SpeculativeWrite
+from tests.test_speculative import reply  # (ids, logprobs, DoneEvent, from_draft flags)
 
 MTP = "qwen3_next-mtp"
 EXACT_CHUNK = 16  # row-invariant forwards (tests/test_row_invariance.py)
@@ -76,20 +77,6 @@ def checkpoints(tiny_model_dir, tmp_path_factory):
     random_head = tiny_model_dir(MTP)
     agreeing = agreeing_checkpoint(random_head, tmp_path_factory.mktemp("agreeing") / "model")
     return {"random head": random_head, "agreeing head": agreeing}
-
-
-def reply(engine: Engine, prompt, n=24, draft="auto"):
-    ids, logprobs, flags, done = [], [], [], None
-    request = GenerateRequest(prompt_ids=list(prompt), max_tokens=n, ignore_eos=True,
-                              logprobs=True, draft=draft)
-    for event in engine.generate(request):
-        if isinstance(event, DoneEvent):
-            done = event
-        elif isinstance(event, TokenEvent) and event.token_id >= 0:
-            ids.append(event.token_id)
-            logprobs.append(event.logprob)
-            flags.append(event.from_draft)
-    return ids, logprobs, done, flags
 
 
 def prompts(seed: int, count: int = 3) -> list[list[int]]:
