@@ -34,7 +34,9 @@ def test_generate_json_reports_every_field(capsys, tiny_model_dir):
     assert code == 0
     result = json.loads(out)
     assert set(result) == {"text", "token_ids", "prompt_tokens", "cached_tokens", "ttft_s",
-                           "prefill_tps", "decode_tps", "generated_tokens", "finish_reason"}
+                           "prefill_tps", "decode_tps", "generated_tokens", "finish_reason",
+                           "drafter", "drafted_tokens", "accepted_tokens",
+                           "acceptance_by_position"}
     assert result["prompt_tokens"] == 4 and 1 <= result["generated_tokens"] <= 5
     assert result["finish_reason"] in ("stop", "length")
 
