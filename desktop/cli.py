@@ -180,13 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks against mlx-lm on the same weights")
     bench.add_argument("suite", nargs="?", choices=BENCH_SUITES, default="speed",
                        help="speed: prefill/decode per weight format; cache: many conversations "
-                       "round-robin against arbor serve and mlx-lm's server, then a restart")
+                       "round-robin against arbor serve and mlx-lm's server, then a restart; "
+                       "spec: plain vs speculative decoding (prompt lookup, a 4-bit self draft)")
     _model_args(bench)
     bench.add_argument("--against", choices=("mlx-lm", "none"), default="mlx-lm")
     bench.add_argument("--formats", default="float32,bfloat16,4bit")
     bench.add_argument("--prompt-tokens", type=int, default=512)
     bench.add_argument("--new-tokens", type=int,
-                       help="tokens per reply (default: speed 128, cache 48)")
+                       help="tokens per reply (default: speed 128, cache 48, spec 128)")
     bench.add_argument("--hybrid", action="store_true",
                        help="also benchmark a hybrid recurrent model's prefill")
     trace = bench.add_argument_group("bench cache")
@@ -397,7 +398,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-BENCH_SUITES = ("speed", "cache")
+BENCH_SUITES = ("speed", "cache", "spec")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -409,6 +410,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     work = cache_dir() / "bench"
     if args.suite == "cache":
         return _bench_cache(args, Path(source), work)
+    if args.suite == "spec":
+        from backend import bench_spec
+
+        new_tokens = args.new_tokens or 128
+        rows = bench_spec.run(Path(source), work, new_tokens,
+                              against_mlx_lm=args.against == "mlx-lm",
+                              log=lambda m: print(m, file=sys.stderr))
+        print(bench_spec.format_table(rows, new_tokens))
+        return 0
     args.new_tokens = args.new_tokens or 128
     formats = tuple(f for f in args.formats.split(",") if f)
     unknown = [f for f in formats if f not in bench.FORMATS]

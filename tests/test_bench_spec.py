@@ -1,0 +1,32 @@
+"""``arbor bench spec`` end to end on a tiny model: every row runs, the speculative rows report
+whether their tokens equal plain decoding's (they must), and the table names the pair ratio
+against mlx-lm. Timings themselves are never asserted."""
+
+from __future__ import annotations
+
+from backend import bench_spec
+
+
+def test_bench_spec_rows_and_table(tiny_model_dir, tmp_path):
+    rows = bench_spec.run(tiny_model_dir("llama"), tmp_path, new_tokens=12, repeats=1,
+                          log=lambda m: None)
+    kinds = {(r.engine, r.drafter.split(" (")[0], r.prompts) for r in rows}
+    for prompts in ("copy-heavy", "open"):
+        assert {("arbor", "plain", prompts), ("arbor", "prompt lookup", prompts),
+                ("arbor", "draft model", prompts), ("mlx-lm", "plain", prompts),
+                ("mlx-lm", "draft model", prompts)} <= kinds
+    speculative = [r for r in rows if r.engine == "arbor" and r.drafter != "plain"]
+    assert all(r.same_tokens is True for r in speculative)
+    assert all(r.decode_tps > 0 for r in rows)
+    table = bench_spec.format_table(rows, 12)
+    assert "arbor / mlx-lm speculative" in table and " NO " not in table
+
+
+def test_arbor_bench_spec_on_the_command_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from desktop.cli import main
+
+    monkeypatch.setenv("ARBOR_HOME", str(tmp_path / "home"))
+    assert main(["bench", "spec", "--model", str(tiny_model_dir("llama")),
+                 "--against", "none", "--new-tokens", "8"]) == 0
+    table = capsys.readouterr().out
+    assert "prompt lookup" in table and "draft model" in table and "mlx-lm" not in table
