@@ -159,14 +159,16 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
     ahead = d.step(token.reshape(1)) if d.budget > 1 else None
     fed = ahead is not None
     mx.async_eval([a for a in (token, logprob, ahead) if a is not None])
-    in_flight, t_round = None, clock()  # (depth, accepted) of the round that just ended
+    # (depth, accepted, one-off catch-up seconds, fed) of the round that just ended
+    in_flight, t_round = None, clock()
     while True:
         token_id = int(token.item())
         # A round runs from one of these syncs to the next: the wall time the depth controller
         # weighs against the tokens the round committed.
         now = clock()
         if in_flight is not None:
-            controller.record(*in_flight, now - t_round)
+            depth, accepted, catch_up_s, after_plain_step = in_flight
+            controller.record(depth, accepted, now - t_round - catch_up_s, after_plain_step)
         t_round = now
         if fed:
             d.held.append(token_id)
@@ -183,10 +185,12 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
                 ahead = d.step(token.reshape(1))
                 d.held.append(token_id)
             token, logprob = d.sample(ahead)
+            # As in plain_tokens: start this token first, then build the next step's graph
+            # while it computes (building it before the async_eval idled the device).
+            mx.async_eval(token if logprob is None else [token, logprob])
             ahead = d.step(token.reshape(1)) if remaining > 1 else None
             fed = ahead is not None
-            mx.async_eval([a for a in (token, logprob, ahead) if a is not None])
-            in_flight = (0, 0)
+            in_flight = (0, 0, 0.0, False)
             continue
         drafts = draft.tokens
         n = drafts.shape[0]
@@ -216,7 +220,7 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
         d.held.extend(ids[:keep])
         drafter.settle(d.held)
         d.stats.record(n, accepted)
-        in_flight = (n, accepted)
+        in_flight = (n, accepted, draft.catch_up_s, fed)
         for j in range(keep if eos_at is None else eos_at + 1):
             d.generated.append(ids[j])
             yield Emitted(ids[j], True, None if lps is None else float(lps[j, ids[j]].item()))

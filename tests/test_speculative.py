@@ -26,6 +26,7 @@ from backend.caches.rotating import RotatingKVCache
 from backend.engine import Engine
 from backend.memory.budgets import CacheConfig
 from backend.models.loading import load_model
+from backend.speculation.depth import DepthController
 from backend.speculation.drafters import PromptLookupDrafter, lookup
 from backend.speculation.rollback import SpeculativeWrite
 from tests.fixtures.tiny_models import write_tiny_model
@@ -110,6 +111,38 @@ def test_greedy_speculation_equals_plain_greedy(kind, tiny_model_dir, other_draf
             assert accepted == drafted  # a perfect drafter: every draft accepted
         if name == "other model":
             assert accepted < drafted  # rejections happened, and were rolled back exactly
+
+
+class ScriptedDepths(DepthController):
+    """Depths from a script (plain stretches between drafting rounds), whatever the prices."""
+
+    def __init__(self, script):
+        super().__init__()
+        self.script = script
+
+    def choose(self, limit: int) -> int:
+        self.rounds += 1
+        return min(self.script[(self.rounds - 1) % len(self.script)], limit)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_draft_model_catching_up_plain_stretches_changes_nothing(kind, tiny_model_dir,
+                                                                    other_draft):
+    # After plain steps the draft model lags the target by more than one round leaves: it
+    # catches up on its own (priced apart) before drafting; the reply must not change.
+    folder = tiny_model_dir(kind)
+    memory = CacheConfig.memory_only()
+    plain = Engine.load(str(folder), cache=memory, speculation="none")
+    for draft in (str(folder), str(other_draft(kind))):
+        engine = Engine.load(str(folder), cache=memory, draft=draft)
+        engine._controllers["model"] = ScriptedDepths([0, 0, 0, 0, 3, 0, 0, 0, 2, 2, 0, 5])
+        for seed in range(3):
+            prompt = copy_heavy_prompt(random.Random(seed), plain.model.args.vocab_size)
+            plain.clear_cache()  # both prefill the whole prompt alike (the restored prefix of an
+            engine.clear_cache()  # earlier reply would be resumed in other chunks)
+            ids, logprobs, done, _ = reply(engine, prompt, n=40)
+            assert (ids, logprobs) == reply(plain, prompt, n=40)[:2], f"{kind}, {draft}"
+            assert done.drafted_tokens > 0
 
 
 def test_tokens_say_which_came_from_drafts(tiny_model_dir):

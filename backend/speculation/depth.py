@@ -7,9 +7,11 @@ controller picks ``argmax E(N) / cost(N)`` over ``0 .. limit``, so it falls back
 (depth 0) when drafting does not pay, and speculation never stays slower for long.
 
 Both are running estimates: ``a_j`` an exponentially weighted mean of the outcomes at position j
-(updated only where a round reached j), ``cost(N)`` one per depth, each new sample clamped to
-within 25% of the estimate so one stall of the host cannot flip the choice. Depths never tried
-are priced by linear interpolation / extrapolation of the tried ones; every ``probe_every``
+(updated only where a round reached j), ``cost(N)`` one per depth, each slower sample clamped to
+within 25% of the estimate so one stall of the host cannot flip the choice (a faster one moves
+the estimate half way at once: a first sample taken during a stall, or a draft model catching
+up a long plain stretch, must not keep a depth looking dear for hundreds of rounds). Depths
+never tried are priced by linear interpolation / extrapolation of the tried ones; every ``probe_every``
 rounds the controller tries one deeper than its choice, backing off while probes change nothing.
 The controller outlives requests (one per engine and drafter kind).
 """
@@ -21,6 +23,11 @@ from dataclasses import dataclass, field
 ACCEPT_EWMA = 0.1
 COST_EWMA = 0.3
 COST_CLAMP = 0.25
+FASTER_EWMA = 0.5
+# From plain decoding a depth must beat it by this much: the prices leave out what a switch
+# costs (a draft model catching up the plain stretch, a first round that waits for the queued
+# plain step), and near break-even, flipping back and forth on noise loses more than it wins.
+SWITCH_MARGIN = 0.1
 PRIOR_ACCEPTANCE = 0.7  # before any evidence at a position
 TRUST_AFTER = 8  # outcomes before a position's own estimate is trusted
 
@@ -92,6 +99,8 @@ class DepthController:
         for depth in range(limit + 1):
             cost = self.round_cost(depth)
             rate = self.expected_tokens(depth) / cost if cost else 0.0
+            if depth and self._last_choice <= 0:
+                rate /= 1.0 + SWITCH_MARGIN  # leaving plain decoding must pay for the switch
             if rate > best_rate:
                 best, best_rate = depth, rate
         if best != self._last_choice:
@@ -102,14 +111,26 @@ class DepthController:
             return best + 1
         return best
 
-    def record(self, depth: int, accepted: int, seconds: float) -> None:
-        """A round of ``depth`` drafts kept ``accepted`` of them and took ``seconds``."""
+    def record(self, depth: int, accepted: int, seconds: float,
+               after_plain_step: bool = False) -> None:
+        """A round of ``depth`` drafts kept ``accepted`` of them and took ``seconds``.
+
+        ``after_plain_step``: the round followed a plain step, so it also waited for the
+        forward that step queued (its row judges draft 1). A round after a verify round puts
+        that row into its own block instead, nearly free; depths are priced as the latter (what
+        a run of drafting rounds costs), so one plain step is taken off: otherwise the probes
+        made from plain decoding, always of the first kind, would overprice every depth."""
+        if after_plain_step and depth and 0 in self.cost:
+            seconds = max(seconds - self.cost[0], 0.1 * seconds)
         old = self.cost.get(depth)
         if old is None:
             self.cost[depth] = seconds
         else:
-            sample = min(max(seconds, old * (1 - COST_CLAMP)), old * (1 + COST_CLAMP))
-            self.cost[depth] = old + COST_EWMA * (sample - old)
+            if seconds < old:  # nothing makes a round spuriously fast: believe it sooner
+                self.cost[depth] = old + FASTER_EWMA * (seconds - old)
+            else:
+                sample = min(seconds, old * (1 + COST_CLAMP))
+                self.cost[depth] = old + COST_EWMA * (sample - old)
         for j in range(min(depth, accepted + 1)):  # positions the round reached
             outcome = 1.0 if j < accepted else 0.0
             self.reached[j] += 1

@@ -28,6 +28,7 @@ multi-token-prediction head, drafting from the target's hidden states.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -37,6 +38,9 @@ from backend.caches.base import Cache
 from backend.sampling import Sampler
 
 
+# What a model drafter lags between back-to-back rounds: the last draft and the bonus token.
+STEADY_LAG = 2
+
 History = Callable[["mx.array | None"], "mx.array | None"]
 
 
@@ -45,6 +49,9 @@ class Draft:
     tokens: mx.array  # (N,) int32, may be lazy
     logprobs: mx.array | None  # (N, V) the drafter's distributions; None: point masses
     known: list[int] | None = None  # the ids on the host already (prompt lookup)
+    # Seconds ``propose`` spent catching the drafter up on a stretch of plain decoding: paid
+    # once per stretch, not per round, so the depth controller does not price it into a depth.
+    catch_up_s: float = 0.0
 
 
 class Drafter(Protocol):
@@ -188,8 +195,16 @@ class ModelDrafter:
         pending = list(held[self.offset:])
         if not pending or n < 1:
             return None
+        caught_up = 0.0
+        if len(pending) > STEADY_LAG:  # after plain steps: feed the stretch on its own
+            mx.synchronize()  # the target's queued step is the round's; time only the feed
+            start = time.perf_counter()
+            self.feed(pending[:-1])
+            pending, caught_up = pending[-1:], time.perf_counter() - start
         logits = self._logits(mx.array(pending, dtype=mx.int32))
-        return sample_chain(logits, n, sampler, history, lambda t: self._logits(t.reshape(1)))
+        draft = sample_chain(logits, n, sampler, history, lambda t: self._logits(t.reshape(1)))
+        draft.catch_up_s = caught_up
+        return draft
 
     def _logits(self, tokens: mx.array) -> mx.array:
         hidden = self.model.hidden(tokens[None], self.caches)

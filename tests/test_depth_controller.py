@@ -1,0 +1,80 @@
+"""The depth controller on synthetic rounds: it drafts the depth that commits the most tokens per
+second, falls back to plain decoding when drafting does not pay, is not flipped by one stall,
+believes a faster round soon, and prices depths as back-to-back drafting rounds cost."""
+
+from __future__ import annotations
+
+import random
+
+from backend.speculation.depth import DepthController
+
+
+def drive(controller: DepthController, acceptance: float, cost, rounds: int = 400,
+          seed: int = 0) -> dict[int, int]:
+    """Run ``rounds`` synthetic rounds: draft j is accepted with probability ``acceptance``,
+    a round of depth N takes ``cost(N)`` seconds; returns how often each depth was chosen."""
+    rng = random.Random(seed)
+    chosen: dict[int, int] = {}
+    for _ in range(rounds):
+        depth = controller.choose(8)
+        chosen[depth] = chosen.get(depth, 0) + 1
+        accepted = 0
+        while accepted < depth and rng.random() < acceptance:
+            accepted += 1
+        controller.record(depth, accepted, cost(depth))
+    return chosen
+
+
+def mostly(chosen: dict[int, int]) -> int:
+    return max(chosen, key=chosen.get)
+
+
+def test_drafts_the_depth_with_the_most_tokens_per_second():
+    # Cheap drafts, high acceptance: the rate E(N) / cost(N) peaks at 3 here.
+    controller = DepthController()
+    acceptance, cost = 0.8, (lambda n: 1.0 + 0.25 * n)
+    chosen = drive(controller, acceptance, cost, rounds=1500)
+    rate = {n: controller.expected_tokens(n) / cost(n) for n in range(9)}
+    assert mostly(chosen) == max(rate, key=rate.get) == 3
+
+
+def test_falls_back_to_plain_decoding_when_drafting_does_not_pay():
+    controller = DepthController()
+    chosen = drive(controller, 0.3, lambda n: 1.0 + 0.8 * n)  # dear drafts, rarely accepted
+    assert chosen[0] > 0.9 * sum(chosen.values())
+
+
+def test_one_stall_does_not_flip_the_choice_and_a_faster_round_is_believed_soon():
+    controller = DepthController()
+    cost = (lambda n: 1.0 + (0.05 * n if n <= 2 else n))  # depth 2 clearly best
+    assert mostly(drive(controller, 0.9, cost, rounds=1500)) == 2
+    before = controller.cost[2]
+    controller.record(2, 2, 50.0)  # the host stalls for one round
+    assert controller.cost[2] <= before * 1.08
+    assert mostly(drive(controller, 0.9, cost, rounds=50, seed=1)) == 2
+    controller = DepthController()
+    controller.record(0, 0, 1.0)
+    controller.record(2, 2, 20.0)  # the first sample of depth 2 was taken during a stall
+    for _ in range(8):
+        controller.record(2, 2, 1.3)
+    assert controller.cost[2] < 1.5
+
+
+def test_a_round_after_a_plain_step_is_priced_as_one_after_a_verify_round():
+    # Waiting for the step that plain decoding queued is one plain step more than the same
+    # depth costs within a run of drafting rounds.
+    controller = DepthController()
+    controller.record(0, 0, 1.0)
+    controller.record(2, 2, 2.4, after_plain_step=True)
+    assert abs(controller.cost[2] - 1.4) < 1e-9
+
+
+def test_leaving_plain_decoding_needs_a_margin():
+    controller = DepthController()
+    controller.record(0, 0, 1.0)
+    controller.record(1, 1, 1.0)
+    controller.acceptance[0], controller.reached[0] = 0.05, 100
+    controller.cost[1] = 0.99 * controller.expected_tokens(1)  # 1% better than plain
+    assert controller.choose(1) == 0
+    controller.cost[1] = 0.5 * controller.expected_tokens(1)  # twice as fast
+    assert controller.choose(1) == 1
