@@ -357,7 +357,9 @@ class Engine:
         if choice in ("model", "mtp"):
             if self.drafter is None or self.drafter.kind != choice:
                 raise InvalidRequestError(
-                    "no draft model is loaded (load one with --draft)" if choice == "model" else
+                    "no draft model is loaded: pair one with this model (the model manager, "
+                    "or arbor models import --draft) or load one with --draft"
+                    if choice == "model" else
                     "no multi-token-prediction head is in use (the checkpoint ships none, or "
                     "the engine was loaded with a draft model or without speculation)")
             return self.drafter

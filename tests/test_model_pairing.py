@@ -181,3 +181,13 @@ def test_rm_refuses_a_paired_draft_until_it_is_unpaired(capsys, home, tiny_model
     assert arbor(capsys, "models", "rm", "tiny")[0] == 0
     assert arbor(capsys, "models", "rm", "tiny-draft")[0] == 0
     assert ModelStore().names() == []
+
+
+def test_asking_for_a_draft_model_without_one_says_how_to_pair_one(tiny_model_dir):
+    from backend.errors import InvalidRequestError
+
+    engine = Engine.load(str(tiny_model_dir("llama")), cache=CacheConfig.memory_only())
+    request = GenerateRequest(prompt_ids=[3, 4, 5], max_tokens=2, draft="model")
+    with pytest.raises(InvalidRequestError, match="no draft model is loaded: pair one"):
+        list(engine.generate(request))
+    assert engine.drafter is None and engine.speculation == "lookup"
