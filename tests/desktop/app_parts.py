@@ -34,3 +34,11 @@ def app(qtbot, make_loader):
             parts.window.close()
             assert parts.shutdown(5.0)
         parts.theme.deleteLater()
+
+
+def reply_settled(window, question: str) -> bool:
+    """The reply to ``question`` is stored as ended. (``client.busy`` alone turns False one
+    queued event before the reply's last signal is handled.)"""
+    path = window.store.path(window.current_id)
+    return (not window.client.busy and len(path) >= 2 and path[-2].message.content == question
+            and path[-1].message.status != "streaming")

@@ -17,6 +17,7 @@ from desktop.chat_settings import ChatSettings
 from desktop.store import ChatStore
 from desktop.ui.message_widget import format_stats
 from desktop.worker import InferenceClient
+from tests.desktop.app_parts import reply_settled
 
 SETTINGS = ChatSettings(temperature=1.0, top_p=1.0, min_p=0.0, max_tokens=12, seed=3)
 
@@ -42,7 +43,7 @@ def send_and_wait(qtbot, window, text: str) -> dict:
     """Send ``text`` in the chat on screen; the stored stats of the reply once it is done."""
     window.composer.input.setPlainText(text)
     qtbot.mouseClick(window.composer.send_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: not window.client.busy, timeout=30000)
+    qtbot.waitUntil(lambda: reply_settled(window, text), timeout=30000)
     reply = window.store.path(window.current_id)[-1].message
     assert reply.role == "assistant" and reply.status == "complete", reply
     return reply.stats

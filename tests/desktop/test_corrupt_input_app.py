@@ -9,7 +9,7 @@ import shutil
 import pytest
 from PySide6.QtCore import Qt
 
-from tests.desktop.app_parts import app  # noqa: F401  (fixture)
+from tests.desktop.app_parts import app, reply_settled  # noqa: F401  (fixture)
 from tests.desktop.corrupt_rows import CASES, Case, make_database, raw_rows
 
 
@@ -23,7 +23,7 @@ def stored(db) -> dict[str, list[tuple]]:
 def send(qtbot, window, text: str) -> None:
     window.composer.input.setPlainText(text)
     qtbot.mouseClick(window.composer.send_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: not window.client.busy, timeout=20000)
+    qtbot.waitUntil(lambda: reply_settled(window, text), timeout=20000)
 
 
 def problem_line(window, chat, case: Case) -> str:
