@@ -242,10 +242,13 @@ def test_stream_concatenates_to_decode_without_partial_characters(tokenizers_by_
 @pytest.mark.parametrize("name", TOKENIZER_NAMES)
 def test_multi_token_characters_are_held_back_until_complete(tokenizers_by_name, name):
     tok = tokenizers_by_name[name]
-    ids = tok.encode("a 😀")
+    # U+1D11E is in no training text, so no trainer puts it in its alphabet (a character that
+    # is, like the corpus's emoji, may or may not be kept as one token: the BPE trainer's
+    # limited alphabet breaks frequency ties in no fixed order).
+    ids = tok.encode("a \U0001d11e")
     chunks = stream(tok, ids)
     assert "" in chunks[:-1]  # some id completed nothing printable
-    assert any(chunk.endswith("😀") for chunk in chunks)
+    assert any(chunk.endswith("\U0001d11e") for chunk in chunks)
 
 
 def test_special_tokens_stream_like_decode(tokenizers_by_name):
