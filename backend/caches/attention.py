@@ -130,13 +130,16 @@ def _blas_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
                     window: int | None) -> mx.array | None:
     """q (B, Hq, M, D) against k, v (B, Hkv, L, D|Dv) whose last key is q's last query."""
     b, hq, m, d = q.shape
-    hkv = k.shape[1]
-    q5 = (q * scale).reshape(b, hkv, hq // hkv, m, d)  # query head h reads kv head h // G
-    scores = q5 @ k[:, :, None].swapaxes(-1, -2)  # (B, Hkv, G, M, L)
+    hkv, n_keys = k.shape[1], k.shape[2]
+    g = hq // hkv  # query head h reads kv head h // g
+    # The g query heads of a kv head as one (g * M)-row matrix: one product per kv head, with
+    # no copy of k and v broadcast to every query head (that copy grew with the context).
+    rows = (q * scale).reshape(b, hkv, g * m, d)
+    scores = (rows @ k.swapaxes(-1, -2)).reshape(b, hkv, g, m, n_keys)
     probs = kernels.causal_softmax(scores, window)
     if probs is None:
         return None
-    return (probs @ v[:, :, None]).reshape(b, hq, m, v.shape[-1])  # (B, Hq, M, Dv)
+    return (probs.reshape(b, hkv, g * m, n_keys) @ v).reshape(b, hq, m, v.shape[-1])
 
 
 def scaled_dot_product_attention(queries: mx.array, history: KVHistory, mask: AttentionMask,
