@@ -152,12 +152,16 @@ def sample_chain(logits: mx.array, n: int, sampler: Sampler, history: History,
                  next_logits: Callable[[mx.array], mx.array]) -> Draft:
     """``n`` drafts sampled one after another through the request's sampler: draft 1 from
     ``logits`` (vocab,), each next one from ``next_logits(previous draft)``, the penalty window
-    holding the drafts so far. All lazy: the chain and the verify run as one graph."""
+    holding the drafts so far. Each draft starts computing as soon as its graph is built:
+    ``async_eval`` returns once all but the last few ops of the step are dispatched (MLX
+    bounds the tasks in flight), so building the next step's graph, or the verify block's,
+    overlaps the step's tail, its output projection (~7% of a depth-2 round here)."""
     tokens, logprobs = [], []
     for i in range(n):
         window = history(mx.stack(tokens) if tokens else None)
         dist = sampler.distributions(logits[None], [window])[0]
         token = dist.sample()
+        mx.async_eval(token)
         tokens.append(token)
         logprobs.append(dist.logprobs)
         if i + 1 < n:
@@ -190,8 +194,8 @@ class ModelDrafter:
 
     def propose(self, held: Sequence[int], n: int, sampler: Sampler,
                 history: History) -> Draft | None:
-        """Feed what lags (ending with the newest held id), then sample ``n`` drafts, lazily:
-        the chain and the target's verify run as one graph."""
+        """Feed what lags (ending with the newest held id), then sample ``n`` drafts (lazy
+        arrays whose computation has started)."""
         pending = list(held[self.offset:])
         if not pending or n < 1:
             return None
