@@ -60,8 +60,14 @@ def send(qtbot, window, text: str) -> None:
 
 
 def wait_idle(qtbot, window, timeout=20000) -> None:
-    """Until no reply and no auto-title request is queued or running."""
-    qtbot.waitUntil(lambda: not window.client.busy, timeout=timeout)
+    """Until no reply and no auto-title request is queued or running, and no reply on screen
+    is still stored as streaming (``busy`` turns False one queued event before a reply's last
+    signal is handled)."""
+    def idle() -> bool:
+        path = window.store.path(window.current_id) if window.current_id is not None else []
+        return not window.client.busy and all(p.message.status != "streaming" for p in path)
+
+    qtbot.waitUntil(idle, timeout=timeout)
 
 
 def path_texts(window) -> list[tuple[str, str]]:

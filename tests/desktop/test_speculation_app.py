@@ -13,6 +13,7 @@ from PySide6.QtCore import Qt
 from desktop.app import create_app
 from desktop.chat_settings import ChatSettings
 from desktop.store import ChatStore
+from tests.desktop.app_parts import reply_settled
 from tests.test_model_pairing import copy_with_other_vocabulary
 
 GREEDY = ChatSettings(temperature=0.0, max_tokens=24)
@@ -75,7 +76,7 @@ def choose_speculation(qtbot, window, choice: str | None) -> None:
 def reply_to(qtbot, window, text: str):
     window.composer.input.setPlainText(text)
     qtbot.mouseClick(window.composer.send_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: not window.client.busy, timeout=30000)
+    qtbot.waitUntil(lambda: reply_settled(window, text), timeout=30000)
     reply = window.store.path(window.current_id)[-1].message
     assert reply.role == "assistant" and reply.status == "complete", reply
     return reply, window.chat_view.message_widgets()[-1].stats_label.text()

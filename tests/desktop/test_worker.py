@@ -26,6 +26,12 @@ class Recorder:
     def text(self, request_id: int) -> str:
         return "".join(str(p) for name, rid, p in self.events if rid == request_id and name == "token")
 
+    def ended(self, *request_ids: int) -> bool:
+        """Each request's last signal (finished, cancelled or errored) has been received. (The
+        client stops being ``busy`` one queued event before that signal is delivered.)"""
+        return all(self.names(rid)[-1:] in (["finished"], ["cancelled"], ["errored"])
+                   for rid in request_ids)
+
 
 @pytest.fixture
 def client(qtbot, make_loader):
@@ -108,7 +114,8 @@ def test_queued_request_cancelled_before_it_runs_never_starts(qtbot, client):
     qtbot.waitUntil(c.engine.held, timeout=20000)  # the first is running, the second queued
     c.cancel(second)
     c.cancel(first)
-    qtbot.waitUntil(lambda: not c.busy, timeout=20000)
+    qtbot.waitUntil(lambda: rec.ended(first, second), timeout=20000)
+    assert not c.busy
     assert rec.names(first)[0] == "started" and rec.names(first)[-1] == "cancelled"
     assert rec.names(second) == ["cancelled"]
     assert rec.events[-1] == ("cancelled", second, None)
@@ -119,7 +126,8 @@ def test_tokens_are_tagged_so_requests_never_mix(qtbot, client):
     rec = Recorder(c)
     ids = [c.generate(GenerateRequest(messages=[{"role": "user", "content": f"q{i}"}], max_tokens=30,
                                       sampling=SamplingParams(seed=i))) for i in range(3)]
-    qtbot.waitUntil(lambda: not c.busy, timeout=20000)
+    qtbot.waitUntil(lambda: rec.ended(*ids), timeout=20000)
+    assert not c.busy
     finals = {rid: p for name, rid, p in rec.events if name == "finished"}
     for rid in ids:
         assert rec.names(rid)[0] == "started"
