@@ -41,7 +41,7 @@ from backend.models.qwen3_next import HeadCache, MTPHead
 from backend.sampling import Sampler
 from backend.speculation.mtp import MTPDrafter
 from backend.speculation.rollback import SpeculativeWrite
-from tests.test_speculative import reply  # (ids, logprobs, DoneEvent, from_draft flags)
+from tests.test_speculative import reply, resumed_reply  # reply: (ids, logprobs, DoneEvent, flags)
 
 MTP = "qwen3_next-mtp"
 EXACT_CHUNK = 16  # row-invariant forwards (tests/test_row_invariance.py)
@@ -235,11 +235,8 @@ def test_greedy_mtp_speculation_equals_plain_greedy(head, checkpoints):
             assert done.drafter == "mtp" and sum(flags) == done.accepted_tokens
             drafted += done.drafted_tokens
             accepted += done.accepted_tokens
-        # resumed from the prefix cache: the next turn of the last conversation
-        follow = cases[-1] + expected[tuple(cases[-1])][0] + [5, 6, 7]
-        ids, logprobs, done, _ = reply(engine, follow, n=12)
-        assert done.cached_tokens > len(cases[-1])
-        assert (ids, logprobs) == reply(plain, follow, n=12)[:2], f"resumed, depth {depth}"
+        done = resumed_reply(engine, plain, cases[-1], expected[tuple(cases[-1])][0],
+                             f"depth {depth}")
         drafted += done.drafted_tokens
         accepted += done.accepted_tokens
     assert drafted > 0

@@ -48,6 +48,16 @@ def reply(engine: Engine, prompt, n=24, draft="auto", sampling=None):
     return [t for t, _ in ids], logprobs, done, [f for _, f in ids]
 
 
+def resumed_reply(engine: Engine, plain: Engine, prompt, reply_ids, label: str) -> DoneEvent:
+    """The next turn of the conversation ``prompt`` + ``reply_ids``, resumed from the prefix
+    cache: asserts it was resumed and equals plain decoding's reply; its DoneEvent."""
+    follow = list(prompt) + list(reply_ids) + [5, 6, 7]
+    ids, logprobs, done, _ = reply(engine, follow, n=12)
+    assert done.cached_tokens > len(prompt)
+    assert (ids, logprobs) == reply(plain, follow, n=12)[:2], f"resumed, {label}"
+    return done
+
+
 def copy_heavy_prompt(rng: random.Random, vocab: int) -> list[int]:
     """Random text with a repeated passage: prompt lookup finds continuations in it."""
     passage = [rng.randrange(3, vocab) for _ in range(12)]
@@ -100,11 +110,8 @@ def test_greedy_speculation_equals_plain_greedy(kind, tiny_model_dir, other_draf
                 assert (ids, logprobs) == expected[tuple(prompt)], f"{name}, depth {depth}"
                 drafted += done.drafted_tokens
                 accepted += done.accepted_tokens
-            # resumed from the prefix cache: the next turn of the last conversation
-            follow = prompts[-1] + expected[tuple(prompts[-1])][0] + [5, 6, 7]
-            ids, logprobs, done, _ = reply(engine, follow, n=12)
-            assert done.cached_tokens > len(prompts[-1])
-            assert (ids, logprobs) == reply(plain, follow, n=12)[:2], f"{name} resumed, {depth}"
+            done = resumed_reply(engine, plain, prompts[-1], expected[tuple(prompts[-1])][0],
+                                 f"{name}, depth {depth}")
             rejected_rounds += done.drafted_tokens > done.accepted_tokens
         assert drafted > 0, f"{name} never drafted"
         if name == "same model":
