@@ -47,25 +47,15 @@ struct V {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  template <int BITS>
-  struct QGroup {
-    R scale, bias;
-  };
-  template <int BITS>
-  static inline QGroup<BITS> qgroup(float scale, float bias) {
-    return {_mm256_set1_ps(scale), _mm256_set1_ps(bias)};
-  }
-  static inline R q8(const uint8_t* p, const QGroup<8>& g) {
+  static inline R q8raw(const uint8_t* p) {
     __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), g.scale, g.bias);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
   }
-  static inline void q4(const uint8_t* p, const QGroup<4>& g, R& lo, R& hi) {
+  static inline void q4raw(const uint8_t* p, R& lo, R& hi) {
     __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
     __m256i v = _mm256_cvtepu8_epi32(b);
     lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
     hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-    lo = _mm256_fmadd_ps(lo, g.scale, g.bias);
-    hi = _mm256_fmadd_ps(hi, g.scale, g.bias);
   }
 };
 

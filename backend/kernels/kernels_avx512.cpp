@@ -39,30 +39,18 @@ struct V {
   static inline R add(R a, R b) { return _mm512_add_ps(a, b); }
   static inline R fma(R a, R b, R c) { return _mm512_fmadd_ps(a, b, c); }
   static inline float sum(R a) { return _mm512_reduce_add_ps(a); }
-  // 8 bits: scale and bias. 4 bits: the group's 16 possible values, looked up by
-  // vpermps (which reads only the low 4 bits of each index: no masking needed).
-  template <int BITS>
-  struct QGroup {
-    R a, b;  // 8 bits: scale, bias; 4 bits: table in a
-  };
-  template <int BITS>
-  static inline QGroup<BITS> qgroup(float scale, float bias) {
-    if constexpr (BITS == 4) {
-      const R iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      return {_mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(bias)), zero()};
-    } else {
-      return {_mm512_set1_ps(scale), _mm512_set1_ps(bias)};
-    }
-  }
-  static inline R q8(const uint8_t* p, const QGroup<8>& g) {
+  static inline R q8raw(const uint8_t* p) {
     __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b)), g.a, g.b);
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
   }
-  static inline void q4(const uint8_t* p, const QGroup<4>& g, R& lo, R& hi) {
+  // 4 bits: the 16 possible values looked up by vpermps, which reads only the low 4
+  // bits of each index (no masking needed).
+  static inline void q4raw(const uint8_t* p, R& lo, R& hi) {
+    const R values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     __m512i v = _mm512_cvtepu8_epi32(b);
-    lo = _mm512_permutexvar_ps(v, g.a);
-    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), g.a);
+    lo = _mm512_permutexvar_ps(v, values);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), values);
   }
 };
 

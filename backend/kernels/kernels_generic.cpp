@@ -40,21 +40,11 @@ struct V {
   static inline R add(R a, R b) { return a + b; }
   static inline R fma(R a, R b, R c) { return a * b + c; }
   static inline float sum(R a) { return a; }
-  template <int BITS>
-  struct QGroup {
-    float scale, bias;
-  };
-  template <int BITS>
-  static inline QGroup<BITS> qgroup(float scale, float bias) {
-    return {scale, bias};
-  }
-  static inline R q8(const uint8_t* p, const QGroup<8>& g) {
-    return g.scale * static_cast<float>(*p) + g.bias;
-  }
+  static inline R q8raw(const uint8_t* p) { return static_cast<float>(*p); }
   // One byte holds two consecutive 4-bit values: low nibble first.
-  static inline void q4(const uint8_t* p, const QGroup<4>& g, R& lo, R& hi) {
-    lo = g.scale * static_cast<float>(*p & 15) + g.bias;
-    hi = g.scale * static_cast<float>(*p >> 4) + g.bias;
+  static inline void q4raw(const uint8_t* p, R& lo, R& hi) {
+    lo = static_cast<float>(*p & 15);
+    hi = static_cast<float>(*p >> 4);
   }
 };
 

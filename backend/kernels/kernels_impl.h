@@ -13,10 +13,9 @@
 //   zero(), load(p), load_n(p, n) (first n lanes, rest 0), set1(f),
 //   fma(a, b, c) = a * b + c, sum(a) (horizontal add),
 //   wload(p), wload_n(p, n) for p a float*, bf16_t* or f16_t* (widened to float),
-//   QGroup<BITS>, qgroup<BITS>(scale, bias)
-//                          per-(row, group) dequantization state
-//   q8(p, g)               W bytes -> W dequantized floats (scale * q + bias)
-//   q4(p, g, lo, hi)       W bytes -> dequantized low nibbles in lo, high in hi
+//   add(a, b),
+//   q8raw(p)               W bytes -> W floats (the quantized values, not yet scaled)
+//   q4raw(p, lo, hi)       W bytes -> low nibbles as floats in lo, high ones in hi
 
 #define ARBOR_UNROLL _Pragma("GCC unroll 16")
 
@@ -105,7 +104,13 @@ void dense_rows(
 // Quantized tile. x rows are read in the order the ISA expects: natural for
 // 8 bits; for 4 bits each block of 2*W values is split into its even-indexed
 // values followed by its odd-indexed ones (see permute_q4 in kernels.cpp), which
-// matches the low/high nibble order q4() produces from W packed bytes.
+// matches the low/high nibble order q4raw() produces from W packed bytes.
+//
+// The affine dequantization is factored out of the inner loop: within a group,
+// sum_k (scale * q_k + bias) * x_k = scale * sum_k q_k * x_k + bias * sum_k x_k, so
+// the loop only widens q to float and multiplies (no per-weight scale/bias FMA),
+// and the group's two sums meet its scale and bias once, lane by lane. Each x
+// row's sums run in the same order whatever M is, so rows stay reduced alike.
 template <int ROWS, int MT, int BITS>
 inline void q_tile(
     const float* x, int64_t ldx, int64_t K, const uint8_t* wq, int64_t ldq,
@@ -116,19 +121,23 @@ inline void q_tile(
     ARBOR_UNROLL for (int m = 0; m < MT; ++m) acc[r][m] = V::zero();
   const int64_t groups = K / gs;
   for (int64_t g = 0; g < groups; ++g) {
-    // Per-row dequantization state for this group (scale and bias, or a table).
-    typename V::template QGroup<BITS> q[ROWS];
-    ARBOR_UNROLL for (int r = 0; r < ROWS; ++r)
-      q[r] = V::template qgroup<BITS>(scales[r * ldsb + g], biases[r * ldsb + g]);
+    typename V::R part[ROWS][MT], xs[MT];  // sum q * x and sum x over the group, per lane
+    ARBOR_UNROLL for (int m = 0; m < MT; ++m) {
+      xs[m] = V::zero();
+      ARBOR_UNROLL for (int r = 0; r < ROWS; ++r) part[r][m] = V::zero();
+    }
     const int64_t k0 = g * gs, k1 = k0 + gs;
     if constexpr (BITS == 8) {
       for (int64_t k = k0; k < k1; k += V::W) {
         typename V::R xv[MT];
-        ARBOR_UNROLL for (int m = 0; m < MT; ++m) xv[m] = V::load(x + m * ldx + k);
+        ARBOR_UNROLL for (int m = 0; m < MT; ++m) {
+          xv[m] = V::load(x + m * ldx + k);
+          xs[m] = V::add(xs[m], xv[m]);
+        }
         ARBOR_UNROLL for (int r = 0; r < ROWS; ++r) {
-          typename V::R wv = V::q8(wq + r * ldq + k, q[r]);
+          typename V::R wv = V::q8raw(wq + r * ldq + k);
           ARBOR_UNROLL for (int m = 0; m < MT; ++m)
-            acc[r][m] = V::fma(wv, xv[m], acc[r][m]);
+            part[r][m] = V::fma(wv, xv[m], part[r][m]);
         }
       }
     } else {
@@ -137,16 +146,22 @@ inline void q_tile(
         ARBOR_UNROLL for (int m = 0; m < MT; ++m) {
           xe[m] = V::load(x + m * ldx + k);
           xo[m] = V::load(x + m * ldx + k + V::W);
+          xs[m] = V::add(xs[m], V::add(xe[m], xo[m]));
         }
         ARBOR_UNROLL for (int r = 0; r < ROWS; ++r) {
           typename V::R lo, hi;
-          V::q4(wq + r * ldq + k / 2, q[r], lo, hi);
+          V::q4raw(wq + r * ldq + k / 2, lo, hi);
           ARBOR_UNROLL for (int m = 0; m < MT; ++m) {
-            acc[r][m] = V::fma(lo, xe[m], acc[r][m]);
-            acc[r][m] = V::fma(hi, xo[m], acc[r][m]);
+            part[r][m] = V::fma(lo, xe[m], part[r][m]);
+            part[r][m] = V::fma(hi, xo[m], part[r][m]);
           }
         }
       }
+    }
+    ARBOR_UNROLL for (int r = 0; r < ROWS; ++r) {
+      const typename V::R sc = V::set1(scales[r * ldsb + g]), bi = V::set1(biases[r * ldsb + g]);
+      ARBOR_UNROLL for (int m = 0; m < MT; ++m)
+        acc[r][m] = V::fma(xs[m], bi, V::fma(part[r][m], sc, acc[r][m]));
     }
   }
   ARBOR_UNROLL for (int r = 0; r < ROWS; ++r)
