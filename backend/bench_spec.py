@@ -11,8 +11,8 @@ Rows, each greedy over the same prompts with a fixed number of new tokens:
 
 Decode tok/s = (new tokens - 1) / (time from the first to the last token), the best of
 ``repeats`` runs per row (the machine is shared and noisy; Arbor's three rows take turns per
-prompt). Every speculative row also reports
-whether its tokens equal the plain row's (they must), acceptance and mean accepted length.
+prompt). Every speculative row also reports whether its tokens equal the plain row's (they
+must), acceptance and mean accepted length.
 Timings belong here, never in tests.
 """
 

@@ -11,7 +11,7 @@ struct V {
   using R = __m256;
   static constexpr int W = 8;
   static constexpr int MT_F32 = 2;  // 16 registers: 4 accumulators x 2 rows + x + w
-  static constexpr int MT_Q = 2;
+  static constexpr int MT_Q = 2;  // two x rows share each pass over a weight row
   static inline R zero() { return _mm256_setzero_ps(); }
   static inline R load(const float* p) { return _mm256_loadu_ps(p); }
   static inline R load_n(const float* p, int n) {
