@@ -21,8 +21,9 @@ Public surface (see docs/ARCHITECTURE.md):
    scheduled are captured by these writes and attached after the prefill (also on cancel).
 4. Decode: sample token t while the device already computes t+1 (``mx.async_eval`` one step
    ahead), stream text through the detokenizer and stop-string matcher, check ``cancel``.
-5. Record what the caches now hold in the prefix cache, emit ``DoneEvent`` with the statistics,
-   then (once the caller asks for more) write new states to the disk tier.
+5. For a chat reply, feed the template's end of turn and the next user turn's header; record
+   what the caches now hold in the prefix cache, emit ``DoneEvent`` with the statistics, then
+   (once the caller asks for more) write new states to the disk tier.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from backend.speculation.mtp import mtp_drafter
 from backend.tokenizer import StopMatcher, Tokenizer
 
 PREFILL_CHUNK = 2048
+MAX_TURN_END = 16  # most ids a chat template writes between a reply and the next user's words
 MAX_DRAFT = 8  # most draft tokens per verify round (verify blocks of up to 16 are exact)
 SPECULATION_CHOICES = ("auto", "model", "mtp", "lookup", "none")
 
@@ -223,19 +225,41 @@ class Engine:
         for begin in range(start, len(prompt) - 1, chunk_size):
             if cancel is not None and cancel.is_set():
                 return None
-            chunk = prompt[begin:min(begin + chunk_size, len(prompt) - 1)]
-            ids = mx.array(chunk)
-            hidden = self.model.hidden(ids[None], self.target_caches)  # (1, n, hid)
-            mx.eval(hidden, [c.arrays() for c in self.target_caches])
-            if self.drafter is not None:
-                self.drafter.observe(begin, ids, hidden)  # an MTP head drafts from these
-                self.drafter.feed(chunk)  # the drafter's caches stay in step
-            held.extend(chunk)
+            self._feed(prompt[begin:min(begin + chunk_size, len(prompt) - 1)], held)
         if cancel is not None and cancel.is_set():
             return None
         logits = self._step(prompt[-1:])
         held.append(prompt[-1])
         return logits
+
+    def _feed(self, chunk: list[int], held: list[int]) -> None:
+        """Run ``chunk`` through the model into the live caches (no vocabulary projection)."""
+        ids = mx.array(chunk)
+        hidden = self.model.hidden(ids[None], self.target_caches)  # (1, n, hid)
+        mx.eval(hidden, [c.arrays() for c in self.target_caches])
+        if self.drafter is not None:
+            self.drafter.observe(len(held), ids, hidden)  # an MTP head drafts from these
+            self.drafter.feed(chunk)  # the drafter's caches stay in step
+        held.extend(chunk)
+
+    def _close_turn(self, messages: list, reply: str, prompt: list[int],
+                    held: list[int]) -> None:
+        """Feed the end of this turn and the next user turn's header, as the chat template
+        writes them after ``reply`` (ChatML: ``<|im_end|>\n<|im_start|>user\n``, and the
+        reply's last token, which decoding samples but never feeds): the conversation's next
+        turn then starts prefilling at the user's own words. Done once the reply's text is out,
+        so it costs the reply's end a few milliseconds instead of the next turn's first token.
+        Skipped when the template would render the reply with other ids than the caches hold
+        (a reply cut by a stop string, text that tokenizes otherwise when read back)."""
+        tail = self.tokenizer.turn_end_ids(messages, reply)
+        fed = held[len(prompt):]
+        if tail is None or tail[:len(fed)] != fed:
+            return
+        close = tail[len(fed):]
+        if 0 < len(close) <= MAX_TURN_END and len(held) + len(close) < self.context_length:
+            if self.drafter is not None:
+                self.drafter.catch_up(held)  # a draft model lags the target after decoding
+            self._feed(close, held)
 
     def _step(self, tokens: list[int] | mx.array) -> mx.array:
         """Lazy logits (vocab,) after feeding ``tokens`` to the target's live caches."""
@@ -316,8 +340,10 @@ class Engine:
                 if tail:
                     pieces.append(tail)
                     yield TokenEvent(tail, -1)
-        self._commit(held)  # 5
         t_end = time.perf_counter()
+        if request.messages is not None and finish != "cancelled":
+            self._close_turn(request.messages, "".join(pieces), prompt, held)
+        self._commit(held)  # 5
         n_new = len(prompt) - resume.cached
         generated, stats = decoding.generated, decoding.stats
         decode_time = t_end - t_first

@@ -170,6 +170,31 @@ class Tokenizer:
         the template writes (templates write their own bos)."""
         return self.encode(self.render_chat_template(messages, add_generation_prompt))
 
+    def turn_end_ids(self, messages: list[dict[str, Any]], reply: str) -> list[int] | None:
+        """The ids that follow ``apply_chat_template(messages)`` once ``reply`` is the
+        assistant's answer and another user turn comes, up to that user's words: the reply,
+        the template's end of turn and the next turn's header (ChatML:
+        ``reply<|im_end|>\n<|im_start|>user\n``). None when the template does not render the
+        longer conversation as an extension of this prompt."""
+        try:
+            prompt = self.render_chat_template(messages)
+            nexts = [self.render_chat_template(
+                list(messages) + [{"role": "assistant", "content": reply},
+                                  {"role": "user", "content": words}],
+                add_generation_prompt=False) for words in _NEXT_USER_WORDS]
+        except InvalidRequestError:
+            return None
+        # Whole texts are encoded, not their tails: a tokenizer may split at the prompt's end
+        # otherwise than at the start of a text.
+        ids = self.encode(prompt)
+        a, b = (self.encode(text) for text in nexts)
+        if a[:len(ids)] != ids or b[:len(ids)] != ids:
+            return None
+        # Where the two next turns part is where the user's words begin (a space or newline
+        # the header ends with may merge into the first word, so it is left out).
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return a[len(ids):same]
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
 
@@ -391,6 +416,11 @@ def _token_content(value: object) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) and value else None
+
+
+#: Two next user messages that share no first token: where their renderings part is where a
+#: user's words begin in a chat template.
+_NEXT_USER_WORDS = ("Hello", "Why")
 
 
 def _pick_template(value: object) -> str | None:

@@ -576,6 +576,42 @@ def test_config_variants_are_understood(tmp_path):
     assert Tokenizer.from_folder(folder).render_chat_template([]) == "FILE WINS"
 
 
+@pytest.mark.parametrize("conversation", CONVERSATIONS[1:] + [CONVERSATIONS[0]])
+def test_turn_end_ids_lead_into_the_next_turn_as_transformers_renders_it(smollm2, conversation):
+    """The prompt's ids, then ``turn_end_ids``, are how transformers tokenizes the longer
+    conversation up to the next user's words."""
+    hf, folder = smollm2
+    tok = Tokenizer.from_folder(folder)
+    reply = "Sure: red, green."
+    longer = conversation + [{"role": "assistant", "content": reply},
+                             {"role": "user", "content": "Thanks!"}]
+    text = hf.apply_chat_template(longer, tokenize=False, add_generation_prompt=True)
+    expected = hf(text, add_special_tokens=False)["input_ids"]
+    ahead = tok.apply_chat_template(conversation) + tok.turn_end_ids(conversation, reply)
+    assert expected[:len(ahead)] == ahead
+    assert hf.decode(expected[len(ahead):]) == "Thanks!<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_turn_end_ids_of_other_templates(sp_folders, byte_folder):
+    conversation = CONVERSATIONS[1]
+    llama2 = Tokenizer.from_folder(sp_folders["llama"])
+    longer = conversation + [{"role": "assistant", "content": "Green."},
+                             {"role": "user", "content": "Why?"}]
+    tail = llama2.turn_end_ids(conversation, "Green.")
+    text = llama2.decode(tail)
+    assert text.strip().startswith("Green.") and text.endswith("[INST]")  # " Why" keeps its space
+    full = llama2.apply_chat_template(longer)
+    assert full[:len(llama2.apply_chat_template(conversation)) + len(tail)] == \
+        llama2.apply_chat_template(conversation) + tail
+    # A template whose generation prompt is not how the assistant's turn is written later:
+    # the prompt does not lead into the longer conversation, so there is no turn end to feed.
+    odd = Tokenizer.from_folder(byte_folder)
+    odd._template = odd._template.environment.from_string(
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}answer now: {% endif %}")
+    assert odd.turn_end_ids(conversation, "Green.") is None
+
+
 @pytest.mark.parametrize(
     "setup, fragment",
     [
