@@ -73,8 +73,47 @@ def test_leaving_plain_decoding_needs_a_margin():
     controller = DepthController()
     controller.record(0, 0, 1.0)
     controller.record(1, 1, 1.0)
-    controller.acceptance[0], controller.reached[0] = 0.05, 100
+    controller.acceptance[controller.context][0] = 0.05
+    controller.reached[controller.context][0] = 100
     controller.cost[1] = 0.99 * controller.expected_tokens(1)  # 1% better than plain
     assert controller.choose(1) == 0
     controller.cost[1] = 0.5 * controller.expected_tokens(1)  # twice as fast
     assert controller.choose(1) == 1
+
+
+def run_in_runs(controller: DepthController, rounds: int = 4000, seed: int = 0) -> float:
+    """Committed tokens per second over synthetic rounds whose acceptance comes in runs: a
+    "copying" stretch (each draft accepted with probability 0.95) or a free one (0.1), the
+    stretch changing at each committed token with probability 0.03. A round of depth N costs
+    1 + 0.25 N seconds."""
+    rng = random.Random(seed)
+    copying, tokens, seconds = False, 0, 0.0
+    for _ in range(rounds):
+        depth = controller.choose(8)
+        accepted = 0
+        while accepted < depth and rng.random() < (0.95 if copying else 0.1):
+            accepted += 1
+        for _ in range(accepted + 1):
+            if rng.random() < 0.03:
+                copying = not copying
+        controller.record(depth, accepted, 1.0 + 0.25 * depth)
+        tokens += accepted + 1
+        seconds += 1.0 + 0.25 * depth
+    return tokens / seconds
+
+
+def test_acceptance_in_runs_is_followed_by_context():
+    """Drafting deep after a round that kept everything and shallow after a miss beats every
+    fixed depth, which a controller pricing all rounds with one average cannot."""
+    adaptive = run_in_runs(DepthController())
+    fixed = max(run_in_runs(DepthController(fixed=n)) for n in range(9))
+    assert adaptive > 1.02 * fixed
+
+
+def test_untried_depths_are_priced_by_the_widest_span():
+    controller = DepthController()
+    controller.cost.update({0: 1.0, 1: 1.0, 2: 1.1, 3: 1.6})  # an odd row costs a pass
+    assert abs(controller.round_cost(8) - (1.6 + 5 * (1.6 - 1.0) / 2)) < 1e-9
+    assert abs(controller.round_cost(2) - 1.1) < 1e-9
+    controller.cost.pop(2)
+    assert abs(controller.round_cost(2) - 1.3) < 1e-9  # between tried depths: interpolated

@@ -131,3 +131,7 @@ def test_greedy_is_the_point_mass_case():
     everything = acceptance.judge(p, mx.array(argmax[:3], dtype=mx.int32), None, sampler)
     assert int(everything.accepted.item()) == 3 and int(everything.next_token.item()) == argmax[3]
     assert math.isclose(float(mx.sum(verdict.accept_probability).item()), 2.0)
+    # A drafter's own (not point-mass) distributions change nothing when the target is greedy.
+    q = mx.log(mx.softmax(mx.random.normal((3, V), key=mx.random.key(1)), axis=-1))
+    with_q = acceptance.judge(p, good, q, sampler)
+    assert int(with_q.accepted.item()) == 2 and int(with_q.next_token.item()) == argmax[2]

@@ -43,6 +43,15 @@ def judge(target: list[Distribution], drafts: mx.array, draft_logprobs: mx.array
     n = drafts.shape[0]
     if len(target) != n + 1:
         raise ValueError(f"{n} drafts need {n + 1} target distributions, got {len(target)}")
+    if sampler.greedy:
+        # Point masses: draft i stands iff it is the target's argmax of row i (p_i(d_i) = 1
+        # then, whatever q_i), and max(p_i - q_i, 0) is the point mass on that argmax, so the
+        # next token is row i's argmax at the first miss and the bonus row's after the last
+        # draft. The same outcome as the rows below, without their passes over the vocabulary.
+        top = mx.stack([d.sample() for d in target])  # (N + 1,)
+        hit = top[:n] == drafts
+        accepted = mx.sum(mx.cumprod(hit.astype(mx.int32))).astype(mx.int32)
+        return Verdict(accepted, top[accepted], hit.astype(mx.float32))
     p_log = mx.stack([d.logprobs for d in target[:n]])  # (N, V)
     p_draft = mx.exp(mx.take_along_axis(p_log, drafts[:, None], axis=-1)[:, 0])  # (N,)
     if draft_logprobs is None:  # point masses: q_i(d_i) = 1
@@ -56,13 +65,9 @@ def judge(target: list[Distribution], drafts: mx.array, draft_logprobs: mx.array
         # p == q leaves nothing: rejection then has probability 0, any row is fine (use p).
         residual_log = mx.where(mx.sum(diff, axis=-1, keepdims=True) > 0, mx.log(diff), p_log)
     accept_probability = mx.minimum(ratio, 1.0)
-    if sampler.greedy:
-        accept = ratio >= 1.0  # point masses: p_i(d_i) is 1 or 0
-        residual = mx.argmax(residual_log, axis=-1).astype(mx.int32)
-    else:
-        uniform = mx.random.uniform(shape=(n,), key=sampler.next_key())
-        accept = uniform < ratio
-        residual = mx.random.categorical(residual_log, key=sampler.next_key()).astype(mx.int32)
+    uniform = mx.random.uniform(shape=(n,), key=sampler.next_key())
+    accept = uniform < ratio
+    residual = mx.random.categorical(residual_log, key=sampler.next_key()).astype(mx.int32)
     accepted = mx.sum(mx.cumprod(accept.astype(mx.int32))).astype(mx.int32)
     bonus = target[n].sample()
     candidates = mx.concatenate([residual, bonus.reshape(1)])  # (N + 1,)

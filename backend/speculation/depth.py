@@ -7,11 +7,17 @@ controller picks ``argmax E(N) / cost(N)`` over ``0 .. limit``, so it falls back
 (depth 0) when drafting does not pay, and speculation never stays slower for long.
 
 Both are running estimates: ``a_j`` an exponentially weighted mean of the outcomes at position j
-(updated only where a round reached j), ``cost(N)`` one per depth, each slower sample clamped to
+(updated only where a round reached j), kept apart by context, whether the previous round kept
+any of its drafts: acceptance comes in runs (a passage being copied, a formulaic stretch; a
+copying run misses now and then, late in a round, while a free stretch misses at once), so
+after a round that kept drafts drafting deep pays, after one that kept none or a plain step
+plain decoding or a shallow probe does, and one average of both would price every round between
+the two. ``cost(N)`` one per depth, each slower sample clamped to
 within 25% of the estimate so one stall of the host cannot flip the choice (a faster one moves
 the estimate half way at once: a first sample taken during a stall, or a draft model catching
 up a long plain stretch, must not keep a depth looking dear for hundreds of rounds). Depths
-never tried are priced by linear interpolation / extrapolation of the tried ones; every ``probe_every``
+never tried are priced by linear interpolation between the tried ones, or outside them by the slope
+over the widest span of tried drafting depths; every ``probe_every``
 rounds the controller tries one deeper than its choice, backing off while probes change nothing.
 The controller outlives requests (one per engine and drafter kind).
 """
@@ -30,6 +36,9 @@ FASTER_EWMA = 0.5
 SWITCH_MARGIN = 0.1
 PRIOR_ACCEPTANCE = 0.7  # before any evidence at a position
 TRUST_AFTER = 8  # outcomes before a position's own estimate is trusted
+# Contexts of the acceptance estimates: what the previous round did.
+AFTER_MISS = 0  # the first draft was rejected, or the round was a plain step
+AFTER_HIT = 1  # at least one draft was accepted
 
 
 @dataclass
@@ -37,30 +46,35 @@ class DepthController:
     max_depth: int = 8
     probe_every: int = 8
     fixed: int | None = None  # always this depth (tests, benchmarks), within the limit
-    acceptance: list[float] = field(default_factory=list)  # a_j, j = 1 .. max_depth
-    reached: list[int] = field(default_factory=list)
+    # a_j (j = 1 .. max_depth) and the rounds that reached j, per context (AFTER_MISS/HIT)
+    acceptance: list[list[float]] = field(default_factory=list)
+    reached: list[list[int]] = field(default_factory=list)
     cost: dict[int, float] = field(default_factory=dict)  # seconds per round by depth
     rounds: int = 0
+    context: int = AFTER_MISS  # the next round's
     _probe_interval: int = 0
     _last_choice: int = -1
 
     def __post_init__(self) -> None:
-        self.acceptance = [PRIOR_ACCEPTANCE] * self.max_depth
-        self.reached = [0] * self.max_depth
+        self.acceptance = [[PRIOR_ACCEPTANCE] * self.max_depth for _ in (AFTER_MISS, AFTER_HIT)]
+        self.reached = [[0] * self.max_depth for _ in (AFTER_MISS, AFTER_HIT)]
         self._probe_interval = self.probe_every
 
     # -- estimates -------------------------------------------------------------------------------
-    def expected_tokens(self, depth: int) -> float:
+    def expected_tokens(self, depth: int, context: int | None = None) -> float:
+        """E(depth) in ``context`` (by default the next round's)."""
+        context = self.context if context is None else context
         total, run = 1.0, 1.0
         for j in range(depth):
-            run *= self._acceptance(j)
+            run *= self._acceptance(context, j)
             total += run
         return total
 
-    def _acceptance(self, j: int) -> float:
-        if self.reached[j] >= TRUST_AFTER:
-            return self.acceptance[j]
-        trusted = [self.acceptance[i] for i in range(j) if self.reached[i] >= TRUST_AFTER]
+    def _acceptance(self, context: int, j: int) -> float:
+        acceptance, reached = self.acceptance[context], self.reached[context]
+        if reached[j] >= TRUST_AFTER:
+            return acceptance[j]
+        trusted = [acceptance[i] for i in range(j) if reached[i] >= TRUST_AFTER]
         return trusted[-1] if trusted else PRIOR_ACCEPTANCE
 
     def round_cost(self, depth: int) -> float | None:
@@ -74,10 +88,13 @@ class DepthController:
             return base * (1.0 + 0.15 * (depth - known[0]))  # a guess until a second sample
         lo = max([d for d in known if d < depth], default=None)
         hi = min([d for d in known if d > depth], default=None)
-        if lo is None:
-            lo, hi = known[0], known[1]
-        elif hi is None:
-            lo, hi = known[-2], known[-1]
+        if lo is None or hi is None:
+            # Outside the tried depths: the slope over the widest span of drafting depths.
+            # Neighbouring depths differ by little more than noise and kernel tiling (an odd
+            # row left over from two-row tiles costs nearly a pass of its own), so the slope
+            # of the last two can be far off, and it would price every deeper round by it.
+            drafting = [d for d in known if d > 0]
+            lo, hi = (drafting[0], drafting[-1]) if len(drafting) >= 2 else (known[0], known[-1])
         slope = (self.cost[hi] - self.cost[lo]) / (hi - lo)
         return max(1e-6, self.cost[lo] + slope * (depth - lo))
 
@@ -131,7 +148,9 @@ class DepthController:
             else:
                 sample = min(seconds, old * (1 + COST_CLAMP))
                 self.cost[depth] = old + COST_EWMA * (sample - old)
+        acceptance, reached = self.acceptance[self.context], self.reached[self.context]
         for j in range(min(depth, accepted + 1)):  # positions the round reached
             outcome = 1.0 if j < accepted else 0.0
-            self.reached[j] += 1
-            self.acceptance[j] += ACCEPT_EWMA * (outcome - self.acceptance[j])
+            reached[j] += 1
+            acceptance[j] += ACCEPT_EWMA * (outcome - acceptance[j])
+        self.context = AFTER_HIT if depth and accepted else AFTER_MISS
