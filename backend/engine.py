@@ -252,7 +252,7 @@ class Engine:
         on a 2-core CPU) so the next turn's first token does not pay those ids' prefill.
         Skipped when the template would render the reply with other ids than the caches hold
         (a reply cut by a stop string, text that tokenizes otherwise when read back)."""
-        tail = self.tokenizer.turn_end_ids(messages, reply)
+        tail = self.tokenizer.turn_end_ids(messages, reply, prompt)
         fed = held[len(prompt):]
         if tail is None or tail[:len(fed)] != fed:
             return

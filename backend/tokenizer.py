@@ -170,12 +170,14 @@ class Tokenizer:
         the template writes (templates write their own bos)."""
         return self.encode(self.render_chat_template(messages, add_generation_prompt))
 
-    def turn_end_ids(self, messages: list[dict[str, Any]], reply: str) -> list[int] | None:
+    def turn_end_ids(self, messages: list[dict[str, Any]], reply: str,
+                     prompt_ids: list[int] | None = None) -> list[int] | None:
         """The ids that follow ``apply_chat_template(messages)`` once ``reply`` is the
         assistant's answer and another user turn comes, up to that user's words: the reply,
         the template's end of turn and the next turn's header (ChatML:
         ``reply<|im_end|>\n<|im_start|>user\n``). None when the template does not render the
-        longer conversation as an extension of this prompt."""
+        longer conversation as an extension of this prompt. ``prompt_ids``: the prompt's ids
+        when the caller has them already (saves encoding the conversation once more)."""
         try:
             prompt = self.render_chat_template(messages)
             nexts = [self.render_chat_template(
@@ -186,7 +188,7 @@ class Tokenizer:
             return None
         # Whole texts are encoded, not their tails: a tokenizer may split at the prompt's end
         # otherwise than at the start of a text.
-        ids = self.encode(prompt)
+        ids = self.encode(prompt) if prompt_ids is None else list(prompt_ids)
         a, b = (self.encode(text) for text in nexts)
         if a[:len(ids)] != ids or b[:len(ids)] != ids:
             return None
