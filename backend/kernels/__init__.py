@@ -24,6 +24,13 @@ of tiny ops (a dispatch each) for what is one pass over a few KB:
 * ``rms_norm(x, weight, eps)`` and ``rope(x, dims, offset, scale, inv_freqs)``: the
   ``mx.fast`` ops for decode-sized float32 inputs (larger ones stay with MLX).
 
+Two fused blocks make a Llama-style layer's few-row forward ~7 graph nodes instead of ~26
+(at decode sizes a node's building and dispatch cost more than its arithmetic), calling the
+same functions as the ops above, so their results are the same bit for bit:
+
+* ``attention_inputs``: RMS norm, the stacked q/k/v product, RoPE of q and k;
+* ``mlp_block``: output projection, residual, RMS norm, gated MLP, residual.
+
 Models turn them on per module (``native_ops``) when ``use_cpu_kernels`` runs. ``linear`` / ``quantized_linear`` make
 that choice (kernel when available and it applies, plain MLX otherwise). Nothing here raises when the extension is absent: ``available()`` is False
 (not built, built for another MLX, macOS, non-x86 CPU, or ``ARBOR_KERNELS=0``) and
@@ -43,7 +50,7 @@ import os
 import sys
 import threading
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = [
     "available",
@@ -348,6 +355,44 @@ def silu_mul(g: Any, u: Any) -> Any:
     if g.shape == u.shape and _f32_on_cpu(g, u):
         return _module.silu_mul(g, u)
     return g * mx.sigmoid(g) * u
+
+
+class KernelWeight(NamedTuple):
+    """A weight matrix as the fused blocks take it: ``arrays`` is (w,) for a dense float32 /
+    bfloat16 / float16 matrix (``bits`` 0), or (wq, scales, biases) in MLX's affine layout
+    with float32 scales and biases (``bits`` 4 or 8, ``group_size`` 32 / 64 / 128)."""
+
+    arrays: tuple
+    bits: int = 0
+    group_size: int = 0
+
+
+def fused_rows_apply(x: Any) -> bool:
+    """Whether the fused layer blocks take ``x`` (B, N, H): float32 on the CPU with at most
+    MAX_KERNEL_ROWS rows, where every product in them runs the matvec kernel."""
+    return x.ndim == 3 and _rows(x) <= MAX_KERNEL_ROWS and _f32_on_cpu(x)
+
+
+def attention_inputs(x: Any, norm_weight: Any, eps: float, qkv: KernelWeight, heads: int,
+                     kv_heads: int, head_dim: int, rope_dims: int, offset: int,
+                     rope_scale: float, inv_freqs: Any) -> list:
+    """[q, k, v] (B, heads | kv_heads, N, head_dim) of a pre-norm attention layer for ``x``
+    (B, N, H) (check ``fused_rows_apply`` first): ``rms_norm(x) @ qkv.T`` split by heads, q
+    and k rotated as ``rope`` does at positions ``offset + t``. Equal bit for bit to those
+    ops run one by one."""
+    return _module.attention_inputs(x, norm_weight, float(eps), list(qkv.arrays), qkv.bits,
+                                    qkv.group_size, heads, kv_heads, head_dim, rope_dims,
+                                    int(offset), float(rope_scale), inv_freqs)
+
+
+def mlp_block(attn: Any, x: Any, norm_weight: Any, eps: float, o: KernelWeight,
+              gate_up: KernelWeight, down: KernelWeight) -> Any:
+    """``h + down(silu(g) * u)`` with ``h = x + o(attn)`` and ``[g | u]`` the stacked gate/up
+    product of ``rms_norm(h)``, for the attention output ``attn`` (B, Hq, N, D) and the
+    residual ``x`` (B, N, H). Equal bit for bit to those ops run one by one."""
+    return _module.mlp_block(attn, x, norm_weight, float(eps), list(o.arrays), o.bits,
+                             o.group_size, list(gate_up.arrays), gate_up.bits,
+                             gate_up.group_size, list(down.arrays), down.bits, down.group_size)
 
 
 def isa() -> str | None:

@@ -12,6 +12,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <optional>
 
@@ -30,6 +31,7 @@
 #include "mlx/version.h"
 
 #include "decode_ops.h"
+#include "layer_ops.h"
 #include "kernels.h"
 #include "mlx_glue.h"
 
@@ -38,52 +40,6 @@ namespace nb = nanobind;
 
 namespace arbor {
 namespace {
-
-// A 2-D operand as (pointer, row stride in elements), copying it into `scratch`
-// when its rows are not unit-stride.
-const void* rows_of(const mx::array& a, int64_t& ld, std::vector<char>& scratch) {
-  const int64_t cols = a.shape(-1);
-  if (a.flags().row_contiguous) {
-    ld = cols;
-    return a.data<char>();
-  }
-  if (a.ndim() == 2 && (a.strides()[1] == 1 || cols == 1) && a.strides()[0] >= cols) {
-    ld = a.shape(0) == 1 ? cols : a.strides()[0];
-    return a.data<char>();
-  }
-  scratch.resize(a.nbytes());
-  gather(a, scratch.data());
-  ld = cols;
-  return scratch.data();
-}
-
-// Quantization scales and biases as rows with one shared stride (the kernels
-// walk both with it), copying them when their strides differ.
-void scale_bias_rows(const mx::array& sc, const mx::array& bi, const float*& sp,
-                     const float*& bp, int64_t& ld, std::vector<char>& ss,
-                     std::vector<char>& bs) {
-  int64_t lds = 0, ldb = 0;
-  sp = static_cast<const float*>(rows_of(sc, lds, ss));
-  bp = static_cast<const float*>(rows_of(bi, ldb, bs));
-  ld = lds;
-  if (lds != ldb) {
-    ss.resize(sc.nbytes());
-    gather(sc, ss.data());
-    bs.resize(bi.nbytes());
-    gather(bi, bs.data());
-    sp = reinterpret_cast<const float*>(ss.data());
-    bp = reinterpret_cast<const float*>(bs.data());
-    ld = sc.shape(-1);
-  }
-}
-
-// The M x K rows of x (any leading dims), contiguous.
-const float* x_rows(const mx::array& x, std::vector<char>& scratch) {
-  if (x.flags().row_contiguous) return x.data<float>();
-  scratch.resize(x.nbytes());
-  gather(x, scratch.data());
-  return reinterpret_cast<const float*>(scratch.data());
-}
 
 // ---------------------------------------------------------------------------
 
@@ -105,14 +61,8 @@ class Matvec : public mx::UnaryPrimitive {
                   w = mx::array::unsafe_weak_copy(w),
                   out = mx::array::unsafe_weak_copy(out), M, K, N]() mutable {
       if (out.size() == 0) return;
-      std::vector<char> xs, ws;
-      int64_t ldw = K;
-      const float* xp = K > 0 ? x_rows(x, xs) : nullptr;
-      const void* wp = K > 0 ? rows_of(w, ldw, ws) : nullptr;
-      const WType wt = w.dtype() == mx::bfloat16 ? WType::bf16
-          : w.dtype() == mx::float16             ? WType::f16
-                                                 : WType::f32;
-      matvec_dense(xp, K, M, K, wp, wt, ldw, N, out.data<float>());
+      std::vector<char> xs;
+      dense_product(K > 0 ? x_rows(x, xs) : nullptr, M, K, w, out.data<float>());
     });
   }
 
@@ -154,14 +104,9 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
                   bi = mx::array::unsafe_weak_copy(biases),
                   out = mx::array::unsafe_weak_copy(out), M, K, N, gs, bits]() mutable {
       if (out.size() == 0) return;
-      std::vector<char> xs, qs, ss, bs;
-      const float* xp = K > 0 ? x_rows(x, xs) : nullptr;
-      int64_t ldq = 0, lds = 0;
-      const void* qp = K > 0 ? rows_of(wq, ldq, qs) : nullptr;
-      const float *sp = nullptr, *bp = nullptr;
-      if (K > 0) scale_bias_rows(sc, bi, sp, bp, lds, ss, bs);
-      matvec_q(xp, K, M, K, reinterpret_cast<const uint8_t*>(qp), ldq * 4, sp, bp,
-               lds, gs, bits, N, out.data<float>());
+      std::vector<char> xs;
+      quantized_product(K > 0 ? x_rows(x, xs) : nullptr, M, K, wq, sc, bi, gs, bits,
+                        out.data<float>());
     });
   }
 
@@ -381,6 +326,34 @@ NB_MODULE(_arbor_kernels, m) {
         nb::arg("x"), nb::arg("dims"), nb::arg("offset"), nb::arg("scale"), nb::arg("inv_freqs"),
         "Non-traditional RoPE of float32 x (N0, N1, T, D) at an integer offset: angle i of the row "
         "at position p is (p * scale) * inv_freqs[i].");
+  m.def("attention_inputs",
+        [](const mx::array& x, const mx::array& norm_weight, float eps,
+           const std::vector<mx::array>& qkv, int bits, int group_size, int heads, int kv_heads,
+           int head_dim, int rope_dims, int64_t offset, float rope_scale,
+           const mx::array& inv_freqs) {
+          return arbor::attention_inputs(x, norm_weight, eps, qkv, bits, group_size, heads,
+                                         kv_heads, head_dim, rope_dims, offset, rope_scale,
+                                         inv_freqs);
+        },
+        nb::arg("x"), nb::arg("norm_weight"),
+        nb::arg("eps"), nb::arg("qkv"), nb::arg("bits"), nb::arg("group_size"), nb::arg("heads"),
+        nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("rope_dims"), nb::arg("offset"),
+        nb::arg("rope_scale"), nb::arg("inv_freqs"),
+        "[q, k, v] (B, heads, N, D) of a pre-norm attention layer for float32 x (B, N, H): "
+        "RMS norm, the stacked q/k/v product, RoPE of q and k at positions offset + t.");
+  m.def("mlp_block",
+        [](const mx::array& attn, const mx::array& x, const mx::array& norm_weight, float eps,
+           const std::vector<mx::array>& o, int o_bits, int o_group,
+           const std::vector<mx::array>& gate_up, int gate_up_bits, int gate_up_group,
+           const std::vector<mx::array>& down, int down_bits, int down_group) {
+          return arbor::mlp_block(attn, x, norm_weight, eps, o, o_bits, o_group, gate_up,
+                                  gate_up_bits, gate_up_group, down, down_bits, down_group);
+        },
+        nb::arg("attn"), nb::arg("x"), nb::arg("norm_weight"),
+        nb::arg("eps"), nb::arg("o"), nb::arg("o_bits"), nb::arg("o_group"), nb::arg("gate_up"),
+        nb::arg("gate_up_bits"), nb::arg("gate_up_group"), nb::arg("down"), nb::arg("down_bits"),
+        nb::arg("down_group"),
+        "x + o(attn) -> h, then h + down(silu(gate) * up) of the RMS-normed h (B, N, H).");
   m.def("isa", [] { return std::string(arbor::best_isa().name); },
         "Instruction set the kernels use on this CPU.");
   m.def("max_threads", &arbor::max_threads, "Threads a large product may use.");

@@ -12,6 +12,8 @@
 #include "mlx/stream.h"
 #include "mlx/utils.h"
 
+#include "kernels.h"
+
 namespace arbor {
 namespace mx = mlx::core;
 
@@ -89,6 +91,81 @@ inline int64_t uniform_row_stride(const mx::array& a) {
 
 inline void alloc_out(mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
+}
+
+// A 2-D operand as (pointer, row stride in elements), copying it into `scratch`
+// when its rows are not unit-stride.
+inline const void* rows_of(const mx::array& a, int64_t& ld, std::vector<char>& scratch) {
+  const int64_t cols = a.shape(-1);
+  if (a.flags().row_contiguous) {
+    ld = cols;
+    return a.data<char>();
+  }
+  if (a.ndim() == 2 && (a.strides()[1] == 1 || cols == 1) && a.strides()[0] >= cols) {
+    ld = a.shape(0) == 1 ? cols : a.strides()[0];
+    return a.data<char>();
+  }
+  scratch.resize(a.nbytes());
+  gather(a, scratch.data());
+  ld = cols;
+  return scratch.data();
+}
+
+// Quantization scales and biases as rows with one shared stride (the kernels
+// walk both with it), copying them when their strides differ.
+inline void scale_bias_rows(const mx::array& sc, const mx::array& bi, const float*& sp,
+                     const float*& bp, int64_t& ld, std::vector<char>& ss,
+                     std::vector<char>& bs) {
+  int64_t lds = 0, ldb = 0;
+  sp = static_cast<const float*>(rows_of(sc, lds, ss));
+  bp = static_cast<const float*>(rows_of(bi, ldb, bs));
+  ld = lds;
+  if (lds != ldb) {
+    ss.resize(sc.nbytes());
+    gather(sc, ss.data());
+    bs.resize(bi.nbytes());
+    gather(bi, bs.data());
+    sp = reinterpret_cast<const float*>(ss.data());
+    bp = reinterpret_cast<const float*>(bs.data());
+    ld = sc.shape(-1);
+  }
+}
+
+// The M x K rows of x (any leading dims), contiguous.
+inline const float* x_rows(const mx::array& x, std::vector<char>& scratch) {
+  if (x.flags().row_contiguous) return x.data<float>();
+  scratch.resize(x.nbytes());
+  gather(x, scratch.data());
+  return reinterpret_cast<const float*>(scratch.data());
+}
+
+// out (M x N) = x (M x K rows, contiguous) @ w.T for a dense w (N x K: float32,
+// bfloat16 or float16); the product every dense matvec primitive runs.
+inline void dense_product(const float* x, int64_t M, int64_t K, const mx::array& w, float* out) {
+  const int64_t N = w.shape(0);
+  if (M == 0 || N == 0) return;
+  std::vector<char> ws;
+  int64_t ldw = K;
+  const void* wp = K > 0 ? rows_of(w, ldw, ws) : nullptr;
+  const WType wt = w.dtype() == mx::bfloat16 ? WType::bf16
+      : w.dtype() == mx::float16             ? WType::f16
+                                             : WType::f32;
+  matvec_dense(x, K, M, K, wp, wt, ldw, N, out);
+}
+
+// The same for w in MLX's affine quantized layout (uint32 wq, float32 scales / biases).
+inline void quantized_product(const float* x, int64_t M, int64_t K, const mx::array& wq,
+                              const mx::array& sc, const mx::array& bi, int group_size, int bits,
+                              float* out) {
+  const int64_t N = wq.shape(0);
+  if (M == 0 || N == 0) return;
+  std::vector<char> qs, ss, bs;
+  int64_t ldq = 0, lds = 0;
+  const void* qp = K > 0 ? rows_of(wq, ldq, qs) : nullptr;
+  const float *sp = nullptr, *bp = nullptr;
+  if (K > 0) scale_bias_rows(sc, bi, sp, bp, lds, ss, bs);
+  matvec_q(x, K, M, K, reinterpret_cast<const uint8_t*>(qp), ldq * 4, sp, bp, lds, group_size,
+           bits, N, out);
 }
 
 }  // namespace arbor

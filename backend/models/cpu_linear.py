@@ -167,8 +167,9 @@ def _swap(_path: str, module: nn.Module) -> nn.Module:
 
 def use_cpu_kernels(model: nn.Module) -> bool:
     """Route the model's linear layers, and its RMS norms, RoPE, attention and gates (those
-    with a ``native_ops`` switch) through the native kernels, and stack the projections that
-    share an input (``stackable_projections``); False if unavailable."""
+    with a ``native_ops`` switch) through the native kernels, stack the projections that
+    share an input (``stackable_projections``) and give the layers that allow it their fused
+    few-row forward (``fused``, models/fused_layer.py); False if unavailable."""
     if not kernels.available():
         return False
     model.update_modules(tree_map_with_path(_swap, model.leaf_modules(),
@@ -179,4 +180,9 @@ def use_cpu_kernels(model: nn.Module) -> bool:
         names = getattr(module, "stackable_projections", ())
         if names:
             module.stacked = StackedProjections.build([module[name] for name in names])
+    from backend.models.fused_layer import FusedLayer  # it builds on this module's layers
+
+    for _, module in model.named_modules():
+        if hasattr(module, "fused"):
+            module.fused = FusedLayer.build(module)
     return True

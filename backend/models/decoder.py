@@ -18,9 +18,16 @@ from backend.models.layers import RMSNorm
 
 class PreNormDecoderLayer(nn.Module):
     """The Llama-style residual block: ``h = x + self_attn(input_layernorm(x))``, then
-    ``h + mlp(post_attention_layernorm(h))``. Subclasses build those four modules."""
+    ``h + mlp(post_attention_layernorm(h))``. Subclasses build those four modules.
+    ``use_cpu_kernels`` may give it a ``fused`` forward for a few rows (models/fused_layer.py)."""
+
+    fused = None  # a FusedLayer, when the layer's parts allow one
 
     def __call__(self, x: mx.array, cache: Cache) -> mx.array:
+        if self.fused is not None:
+            out = self.fused(x, cache)
+            if out is not None:
+                return out
         h = x + self.self_attn(self.input_layernorm(x), cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 

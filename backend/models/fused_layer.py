@@ -1,0 +1,91 @@
+"""A Llama-style layer's few-row forward (decode, verify blocks) through two fused kernels.
+
+``PreNormDecoderLayer`` computes ``h = x + o(attention(norm(x)))`` then ``h + mlp(norm(h))``
+as ~26 graph nodes; at decode sizes each node's building and dispatch cost more than its
+arithmetic, per layer and per token, for the target and a draft model alike. With the
+layer's weights in kernel form (``use_cpu_kernels``: stacked q/k/v and gate/up products),
+``FusedLayer`` runs it as ``kernels.attention_inputs`` (norm, q/k/v product, RoPE), the
+cache update and attention as before, and ``kernels.mlp_block`` (everything after
+attention). The kernels call the same functions the separate ops call, so outputs are equal
+bit for bit (tests/test_fused_layers.py) and a verify block still equals decode steps.
+
+Layers it does not cover stay on the separate ops: biases, q/k norms, output gates, scaled
+RoPE outputs, Gemma's offset norms, non-SwiGLU or mixture-of-experts MLPs, more than
+``kernels.MAX_KERNEL_ROWS`` rows (prefill), non-float32 activations.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from backend import kernels
+from backend.caches.base import Cache
+from backend.models.cpu_linear import KernelLinear, KernelQuantizedLinear, StackedProjections
+from backend.models.layers import Attention, GatedMLP, RMSNorm
+
+QUANTIZED_KERNEL = {"bits": (4, 8), "group_size": (32, 64, 128)}
+
+
+def kernel_weight(source) -> kernels.KernelWeight | None:
+    """The matrix of a bias-free kernel linear layer or stacked projection, or None."""
+    if isinstance(source, StackedProjections):
+        if "bias" in source.stacked:
+            return None
+        w, first = source.stacked, source.layers[0]
+        arrays = (w["weight"], w["scales"], w["biases"]) if source.quantized else (w["weight"],)
+    elif isinstance(source, (KernelLinear, KernelQuantizedLinear)) and "bias" not in source:
+        first = source
+        arrays = ((source.weight, source.scales, source.biases)
+                  if isinstance(source, KernelQuantizedLinear) else (source.weight,))
+    else:
+        return None
+    if not isinstance(first, KernelQuantizedLinear):
+        return kernels.KernelWeight(arrays)
+    if first.bits not in QUANTIZED_KERNEL["bits"] or \
+            first.group_size not in QUANTIZED_KERNEL["group_size"]:
+        return None
+    return kernels.KernelWeight(arrays, first.bits, first.group_size)
+
+
+def _plain_norm(norm) -> bool:
+    return type(norm) is RMSNorm and not norm.offset and norm.native_ops
+
+
+class FusedLayer:
+    """The fused few-row forward of one pre-norm layer; ``build`` says whether it applies."""
+
+    def __init__(self, layer, qkv: kernels.KernelWeight, o: kernels.KernelWeight,
+                 gate_up: kernels.KernelWeight, down: kernels.KernelWeight):
+        self.layer = layer
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+
+    @classmethod
+    def build(cls, layer) -> "FusedLayer | None":
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(attn) is not Attention or type(mlp) is not GatedMLP:
+            return None
+        if not (attn.native_ops and mlp.native_ops and mlp.is_swiglu and attn.rope.native_ops
+                and not attn.has_qk_norm and not attn.output_gate
+                and attn.rope.out_scale == 1.0 and attn.stacked is not None
+                and mlp.stacked is not None and _plain_norm(layer.input_layernorm)
+                and _plain_norm(layer.post_attention_layernorm)):
+            return None
+        weights = [kernel_weight(w) for w in (attn.stacked, attn.o_proj, mlp.stacked,
+                                              mlp.down_proj)]
+        return None if None in weights else cls(layer, *weights)
+
+    def __call__(self, x: mx.array, cache: Cache) -> mx.array | None:
+        """The layer's output, or None where the fused kernels do not apply (then run the
+        separate ops)."""
+        offset = cache.offset
+        if not isinstance(offset, int) or not kernels.fused_rows_apply(x):
+            return None
+        layer = self.layer
+        attn, norm1, norm2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+        rope = attn.rope
+        q, k, v = kernels.attention_inputs(
+            x, norm1.weight, norm1.eps, self.qkv, attn.num_heads, attn.num_kv_heads,
+            attn.head_dim, rope.dims, offset, rope.scale, rope._inverse_frequencies())
+        out = attn.attend(q, k, v, cache)
+        return kernels.mlp_block(out, x, norm2.weight, norm2.eps, self.o, self.gate_up,
+                                 self.down)

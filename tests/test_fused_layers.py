@@ -1,0 +1,120 @@
+"""The fused few-row layer forward (models/fused_layer.py, kernels/layer_ops.cpp): two native
+blocks per Llama-style layer instead of ~26 graph nodes, equal bit for bit to the separate ops
+(logits and cache contents) for decode steps and verify blocks, on full-attention and
+sliding-window caches, dense and quantized weights; layers it does not cover keep the separate
+ops; malformed inputs get a clear error."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from backend.models.loading import load_model
+
+FUSED_CASES = [("llama", None), ("llama-tied", None), ("mistral-window", None),
+               ("llama3-rope", None), ("llama-linear-rope", None), ("llama", 4), ("llama", 8)]
+
+
+def _model(tiny_model_dir, tmp_path, case, quantize):
+    from backend.models.store import import_hf_folder
+
+    folder = tiny_model_dir(case)
+    if quantize:
+        folder = import_hf_folder(folder, tmp_path / "q", quantize=quantize)
+    loaded = load_model(folder)
+    assert loaded.cpu_kernels, "the native kernels are the path under test"
+    return loaded.model
+
+
+def _run(model, fused: bool, tokens: list[int], blocks: list[int]):
+    """Logits of each block after a prefill, and the caches' arrays at the end."""
+    layers = model.model.layers
+    kept = [layer.fused for layer in layers]
+    if not fused:
+        for layer in layers:
+            layer.fused = None
+    try:
+        caches = model.make_caches()
+        start = len(tokens) - sum(blocks)
+        mx.eval(model.hidden(mx.array([tokens[:start]]), caches))  # > 16 rows: separate ops
+        outs = []
+        for n in blocks:
+            outs.append(model.logits(model.hidden(mx.array([tokens[start:start + n]]), caches)))
+            mx.eval(outs[-1], [c.arrays() for c in caches])
+            start += n
+        state = [np.array(a) for c in caches for a in c.arrays()]
+        return [np.array(o) for o in outs], state
+    finally:
+        for layer, f in zip(layers, kept):
+            layer.fused = f
+
+
+@pytest.mark.parametrize("case,quantize", FUSED_CASES)
+def test_fused_forward_equals_the_separate_ops(case, quantize, tiny_model_dir, tmp_path,
+                                               native_kernels):
+    model = _model(tiny_model_dir, tmp_path, case, quantize)
+    assert all(layer.fused is not None for layer in model.model.layers)
+    rng = np.random.default_rng(7)
+    blocks = [1, 5, 16, 1, 3, 1]  # decode steps and verify blocks; the window of 8 wraps
+    tokens = [int(t) for t in rng.integers(3, model.args.vocab_size, size=20 + sum(blocks))]
+    fused_logits, fused_state = _run(model, True, tokens, blocks)
+    plain_logits, plain_state = _run(model, False, tokens, blocks)
+    for got, want in zip(fused_logits, plain_logits):
+        np.testing.assert_array_equal(got, want)
+    assert len(fused_state) == len(plain_state)
+    for got, want in zip(fused_state, plain_state):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("case", ["llama", "mistral-window"])
+def test_decode_takes_the_fused_path_and_prefill_does_not(case, tiny_model_dir, tmp_path,
+                                                          native_kernels, monkeypatch):
+    model = _model(tiny_model_dir, tmp_path, case, None)
+    calls = []
+    real = native_kernels.mlp_block
+    monkeypatch.setattr(native_kernels, "mlp_block", lambda *a: calls.append(1) or real(*a))
+    caches = model.make_caches()
+    mx.eval(model.hidden(mx.array([list(range(3, 20))]), caches))  # 17 rows
+    assert calls == []
+    mx.eval(model.hidden(mx.array([[5]]), caches))
+    assert len(calls) == len(model.model.layers)
+
+
+@pytest.mark.parametrize("case", ["qwen2", "qwen3", "gemma3", "qwen3_moe"])
+def test_layers_outside_the_fused_form_keep_the_separate_ops(case, tiny_model_dir,
+                                                             native_kernels):
+    """Biases (Qwen2), q/k norms (Qwen3), Gemma's norms, mixture-of-experts MLPs."""
+    model = load_model(tiny_model_dir(case)).model
+    assert all(getattr(layer, "fused", None) is None for layer in model.model.layers)
+
+
+def test_fused_ops_reject_malformed_input(native_kernels):
+    k = native_kernels
+    H, heads, kv, D = 64, 4, 2, 16
+    x, norm = mx.zeros((1, 2, H)), mx.ones((H,))
+    freqs = mx.ones((D // 2,))
+    qkv = k.KernelWeight((mx.zeros(((heads + 2 * kv) * D, H)),))
+    q, kk, v = k.attention_inputs(x, norm, 1e-5, qkv, heads, kv, D, D, 3, 1.0, freqs)
+    assert q.shape == (1, heads, 2, D) and kk.shape == v.shape == (1, kv, 2, D)
+    with pytest.raises(ValueError, match=r"qkv: expected 128 x 64 values, got 96 x 64"):
+        k.attention_inputs(x, norm, 1e-5, k.KernelWeight((mx.zeros((96, H)),)), heads, kv, D,
+                           D, 0, 1.0, freqs)
+    with pytest.raises(ValueError, match="expected float32 x"):
+        k.attention_inputs(x.astype(mx.float16), norm, 1e-5, qkv, heads, kv, D, D, 0, 1.0,
+                           freqs)
+    with pytest.raises(ValueError, match="heads a multiple of kv_heads"):
+        k.attention_inputs(x, norm, 1e-5, qkv, heads, 3, D, D, 0, 1.0, freqs)
+    with pytest.raises(ValueError, match="expected wq, scales and biases"):
+        k.attention_inputs(x, norm, 1e-5, k.KernelWeight(qkv.arrays, 4, 64), heads, kv, D, D,
+                           0, 1.0, freqs)
+    o = k.KernelWeight((mx.zeros((H, heads * D)),))
+    gate_up = k.KernelWeight((mx.zeros((2 * 96, H)),))
+    down = k.KernelWeight((mx.zeros((H, 96)),))
+    out = k.mlp_block(q, x, norm, 1e-5, o, gate_up, down)
+    assert out.shape == x.shape
+    np.testing.assert_array_equal(np.array(out), np.array(x))  # all-zero weights: x + 0 + 0
+    with pytest.raises(ValueError, match="attention output"):
+        k.mlp_block(q[:, :, :1], x, norm, 1e-5, o, gate_up, down)
+    with pytest.raises(ValueError, match=r"down: expected 64 x 96 values"):
+        k.mlp_block(q, x, norm, 1e-5, o, gate_up, k.KernelWeight((mx.zeros((H, 95)),)))
