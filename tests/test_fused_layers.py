@@ -72,13 +72,29 @@ def test_decode_takes_the_fused_path_and_prefill_does_not(case, tiny_model_dir, 
                                                           native_kernels, monkeypatch):
     model = _model(tiny_model_dir, tmp_path, case, None)
     calls = []
-    real = native_kernels.mlp_block
-    monkeypatch.setattr(native_kernels, "mlp_block", lambda *a: calls.append(1) or real(*a))
+    real = native_kernels.attention_mlp
+    monkeypatch.setattr(native_kernels, "attention_mlp", lambda *a: calls.append(1) or real(*a))
     caches = model.make_caches()
     mx.eval(model.hidden(mx.array([list(range(3, 20))]), caches))  # 17 rows
     assert calls == []
     mx.eval(model.hidden(mx.array([[5]]), caches))
     assert len(calls) == len(model.model.layers)
+
+
+def test_full_attention_buffers_are_written_in_place(tiny_model_dir, tmp_path, native_kernels):
+    """Each decode step writes its keys and values into the cache's buffers without copying
+    them (a copy per layer and step would cost a pass over the whole cache)."""
+    model = _model(tiny_model_dir, tmp_path, "llama", None)
+    caches = model.make_caches()
+    mx.eval(model.hidden(mx.array([list(range(3, 40))]), caches))
+
+    def address(a: mx.array) -> int:
+        return np.array(a, copy=False).__array_interface__["data"][0]
+
+    for token in (5, 6, 7):
+        before = [address(a) for c in caches for a in c.arrays()]
+        mx.eval(model.hidden(mx.array([[token]]), caches))
+        assert [address(a) for c in caches for a in c.arrays()] == before
 
 
 @pytest.mark.parametrize("case", ["qwen2", "qwen3", "gemma3", "qwen3_moe"])
@@ -111,10 +127,13 @@ def test_fused_ops_reject_malformed_input(native_kernels):
     o = k.KernelWeight((mx.zeros((H, heads * D)),))
     gate_up = k.KernelWeight((mx.zeros((2 * 96, H)),))
     down = k.KernelWeight((mx.zeros((H, 96)),))
-    out = k.mlp_block(q, x, norm, 1e-5, o, gate_up, down)
-    assert out.shape == x.shape
+    keys = values = mx.zeros((1, kv, 8, D))
+    out = k.attention_mlp(q, keys, values, 5, 0.25, 0, x, norm, 1e-5, o, gate_up, down)
     np.testing.assert_array_equal(np.array(out), np.array(x))  # all-zero weights: x + 0 + 0
-    with pytest.raises(ValueError, match="attention output"):
-        k.mlp_block(q[:, :, :1], x, norm, 1e-5, o, gate_up, down)
+    with pytest.raises(ValueError, match="N <= length <= capacity"):
+        k.attention_mlp(q, keys, values, 9, 0.25, 0, x, norm, 1e-5, o, gate_up, down)
+    with pytest.raises(ValueError, match="expected q"):
+        k.attention_mlp(q[:, :, :1], keys, values, 5, 0.25, 0, x, norm, 1e-5, o, gate_up, down)
     with pytest.raises(ValueError, match=r"down: expected 64 x 96 values"):
-        k.mlp_block(q, x, norm, 1e-5, o, gate_up, k.KernelWeight((mx.zeros((H, 95)),)))
+        k.attention_mlp(q, keys, values, 5, 0.25, 0, x, norm, 1e-5, o, gate_up,
+                        k.KernelWeight((mx.zeros((H, 95)),)))

@@ -207,6 +207,15 @@ class KVCache(LazyKVStorage):
     def update(self, keys: mx.array, values: mx.array) -> ContiguousHistory:
         """Append ``keys``/``values`` ``(B, H, N, D)`` at the current offset."""
         start, n = self._offset, keys.shape[2]
+        self.append(keys, values)
+        return ContiguousHistory(self.keys[..., : self._offset, :],
+                                 self.values[..., : self._offset, :], start, n)
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        """``update`` without the history views: afterwards the buffers ``self.keys`` /
+        ``self.values`` hold positions ``0 .. offset - 1`` (a kernel reading the buffers in
+        place needs no slices of them; models/fused_layer.py)."""
+        start, n = self._offset, keys.shape[2]
         if self._lazy:
             self._protect_from(start)
         self._reserve(keys, values, start + n)
@@ -214,8 +223,11 @@ class KVCache(LazyKVStorage):
         self.values[..., start:start + n, :] = values
         self._offset = start + n
         self._capture_due(start, self._offset)
-        return ContiguousHistory(self.keys[..., : self._offset, :],
-                                 self.values[..., : self._offset, :], start, n)
+
+    def holds_float32(self) -> bool:
+        """Whether ``append`` keeps float32 buffers: empty, or float32 already."""
+        return self.keys is None or (self.keys.dtype == mx.float32
+                                     and self.values.dtype == mx.float32)
 
     # -- snapshots -----------------------------------------------------------------------------
     def _new_snapshot(self, start: int, end: int) -> KVSnapshot:

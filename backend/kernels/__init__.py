@@ -29,7 +29,8 @@ Two fused blocks make a Llama-style layer's few-row forward ~7 graph nodes inste
 same functions as the ops above, so their results are the same bit for bit:
 
 * ``attention_inputs``: RMS norm, the stacked q/k/v product, RoPE of q and k;
-* ``mlp_block``: output projection, residual, RMS norm, gated MLP, residual.
+* ``attention_mlp``: attention over a cache's buffers, output projection, residual, RMS norm,
+  gated MLP, residual.
 
 Models turn them on per module (``native_ops``) when ``use_cpu_kernels`` runs. ``linear`` / ``quantized_linear`` make
 that choice (kernel when available and it applies, plain MLX otherwise). Nothing here raises when the extension is absent: ``available()`` is False
@@ -380,19 +381,21 @@ def attention_inputs(x: Any, norm_weight: Any, eps: float, qkv: KernelWeight, he
     (B, N, H) (check ``fused_rows_apply`` first): ``rms_norm(x) @ qkv.T`` split by heads, q
     and k rotated as ``rope`` does at positions ``offset + t``. Equal bit for bit to those
     ops run one by one."""
-    return _module.attention_inputs(x, norm_weight, float(eps), list(qkv.arrays), qkv.bits,
-                                    qkv.group_size, heads, kv_heads, head_dim, rope_dims,
-                                    int(offset), float(rope_scale), inv_freqs)
+    return _module.attention_inputs(x, norm_weight, float(eps), qkv, heads, kv_heads, head_dim,
+                                    rope_dims, int(offset), float(rope_scale), inv_freqs)
 
 
-def mlp_block(attn: Any, x: Any, norm_weight: Any, eps: float, o: KernelWeight,
-              gate_up: KernelWeight, down: KernelWeight) -> Any:
-    """``h + down(silu(g) * u)`` with ``h = x + o(attn)`` and ``[g | u]`` the stacked gate/up
-    product of ``rms_norm(h)``, for the attention output ``attn`` (B, Hq, N, D) and the
-    residual ``x`` (B, N, H). Equal bit for bit to those ops run one by one."""
-    return _module.mlp_block(attn, x, norm_weight, float(eps), list(o.arrays), o.bits,
-                             o.group_size, list(gate_up.arrays), gate_up.bits,
-                             gate_up.group_size, list(down.arrays), down.bits, down.group_size)
+def attention_mlp(q: Any, keys: Any, values: Any, length: int, scale: float, window: int,
+                  x: Any, norm_weight: Any, eps: float, o: KernelWeight, gate_up: KernelWeight,
+                  down: KernelWeight) -> Any:
+    """The rest of a pre-norm layer after its attention inputs, as one graph node: the causal
+    attention of ``q`` (B, Hq, N, D) over the first ``length`` positions of a full-attention
+    cache's buffers ``keys`` / ``values`` (B, Hkv, capacity, D), read in place (the last
+    ``window`` keys when > 0), then ``h = x + o(attention)`` and ``h + down(silu(g) * u)`` with
+    ``[g | u]`` the stacked gate/up product of ``rms_norm(h)``. Equal bit for bit to those ops
+    run one by one."""
+    return _module.attention_mlp(q, keys, values, int(length), float(scale), int(window), x,
+                                 norm_weight, float(eps), o, gate_up, down)
 
 
 def isa() -> str | None:

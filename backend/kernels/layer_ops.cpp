@@ -1,10 +1,11 @@
 // A Llama-style decoder layer's few-row forward (one decode token, or a verify
-// block of up to 16) as two MLX primitives around the cache update and attention:
+// block of up to 16) as two MLX primitives around the cache's buffer update:
 //
 //   attention_inputs: RMS norm -> stacked q/k/v product -> RoPE of q and k
 //                     -> q (B, Hq, N, D), k and v (B, Hkv, N, D)
-//   mlp_block:        output projection -> + residual -> RMS norm -> stacked
-//                     gate/up product -> silu(gate) * up -> down product -> + residual
+//   attention_mlp:    causal attention over the cache's key / value buffers (read
+//                     in place) -> output projection -> + residual -> RMS norm ->
+//                     stacked gate/up product -> silu(gate) * up -> down -> + residual
 //
 // Separately these are ~26 graph nodes per layer, and at decode sizes each node's
 // graph building and dispatch cost more than its arithmetic (~10 us against a few).
@@ -18,6 +19,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "mlx/backend/cpu/encoder.h"
@@ -28,6 +30,8 @@
 
 namespace arbor {
 namespace {
+
+using WeightArg = std::tuple<std::vector<mx::array>, int, int>;
 
 // A weight matrix among a primitive's inputs, starting at inputs[at]: dense
 // (bits == 0: one array) or affine quantized (wq, scales, biases).
@@ -70,6 +74,21 @@ void register_io(mx::Stream stream, const std::vector<mx::array>& inputs,
   for (auto& a : outputs) enc.set_output_array(a);
 }
 
+// A float32 operand of rank 4 with unit last stride as a View3 over its last
+// three dims (copied when its last stride is not 1).
+View3 view_of(const mx::array& a, std::vector<char>& scratch) {
+  const float* p = a.data<float>();
+  auto st = a.strides();
+  if (st[3] != 1 && a.shape(3) > 1) {
+    scratch.resize(a.nbytes());
+    gather(a, scratch.data());
+    p = reinterpret_cast<const float*>(scratch.data());
+    return View3{p, static_cast<int64_t>(a.shape(1)) * a.shape(2) * a.shape(3),
+                 static_cast<int64_t>(a.shape(2)) * a.shape(3), a.shape(3)};
+  }
+  return View3{p, st[0], st[1], st[2]};
+}
+
 // The float32 elements of `a` in row-major order (copied when strided).
 const float* floats(const mx::array& a, std::vector<char>& scratch) {
   if (a.flags().row_contiguous) return a.data<float>();
@@ -82,42 +101,93 @@ struct Heads {
   int64_t q, kv, dim;
 };
 
+struct RopeParams {
+  int dims;
+  int64_t offset;
+  float scale;
+};
+
+struct Norm {
+  const float* w;
+  float eps;
+};
+
+// The attention inputs of rows x (B, N, H contiguous): q (B, h.q, N, D), k and v
+// (B, h.kv, N, D), each contiguous: the separate ops' rms_norm, product and rope.
+void qkv_rows(const std::vector<mx::array>& in, const Weight& qkv, const float* x, int64_t B,
+              int64_t N, int64_t H, Norm norm, Heads h, RopeParams r, const float* freqs,
+              float* q, float* k, float* v) {
+  const int64_t M = B * N, W = (h.q + 2 * h.kv) * h.dim;
+  std::vector<float> normed(static_cast<size_t>(M * H)), y(static_cast<size_t>(M * W));
+  rms_norm(x, H, M, H, norm.w, norm.eps, normed.data());
+  product(in, qkv, normed.data(), M, H, y.data());
+  // Row (b, t) of y is [q heads | k heads | v heads]; element (b, head, t, j) of a
+  // head group starting at column c is y[(b * N + t) * W + c + head * dim + j].
+  rope(View3{y.data(), N * W, h.dim, W}, B, h.q, N, h.dim, r.dims, r.offset, r.scale, freqs, q);
+  rope(View3{y.data() + h.q * h.dim, N * W, h.dim, W}, B, h.kv, N, h.dim, r.dims, r.offset,
+       r.scale, freqs, k);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t head = 0; head < h.kv; ++head)
+      for (int64_t t = 0; t < N; ++t)
+        std::memcpy(v + ((b * h.kv + head) * N + t) * h.dim,
+                    y.data() + (b * N + t) * W + (h.q + h.kv + head) * h.dim,
+                    h.dim * sizeof(float));
+}
+
+struct MlpWeights {
+  Weight o, gate_up, down;
+};
+
+// out (B, N, H) = h + down(silu(g) * u), h = x + o(attention rows), [g | u] the
+// gate/up product of rms_norm(h), for attn (B, Hq, N, D) contiguous.
+void mlp_rows(const std::vector<mx::array>& in, const MlpWeights& w, const float* attn,
+              int64_t Hq, int64_t D, const float* x, int64_t B, int64_t N, int64_t H, Norm norm,
+              float* out) {
+  const int64_t M = B * N, A = Hq * D, I = weight_rows(in, w.gate_up) / 2;
+  // The attention heads of each position side by side: rows (b, t) of (M, Hq * D).
+  std::vector<float> rows(static_cast<size_t>(M * A));
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t head = 0; head < Hq; ++head)
+        std::memcpy(rows.data() + (b * N + t) * A + head * D, attn + ((b * Hq + head) * N + t) * D,
+                    D * sizeof(float));
+  std::vector<float> h(static_cast<size_t>(M * H)), normed(h.size());
+  product(in, w.o, rows.data(), M, A, h.data());
+  for (int64_t i = 0; i < M * H; ++i) h[i] = x[i] + h[i];
+  rms_norm(h.data(), H, M, H, norm.w, norm.eps, normed.data());
+  std::vector<float> gu(static_cast<size_t>(M * 2 * I)), act(static_cast<size_t>(M * I));
+  product(in, w.gate_up, normed.data(), M, H, gu.data());
+  silu_mul(gu.data(), 2 * I, gu.data() + I, 2 * I, M, I, act.data());
+  product(in, w.down, act.data(), M, I, out);
+  for (int64_t i = 0; i < M * H; ++i) out[i] = h[i] + out[i];
+}
+
+bool same_kind(const Weight& a, const Weight& b) {
+  return a.bits == b.bits && a.group_size == b.group_size;
+}
+
+bool same_mlp(const MlpWeights& a, const MlpWeights& b) {
+  return same_kind(a.o, b.o) && same_kind(a.gate_up, b.gate_up) && same_kind(a.down, b.down);
+}
+
 class AttentionInputs : public mx::Primitive {
  public:
-  AttentionInputs(mx::Stream s, Heads heads, float eps, int rope_dims, int64_t offset,
-                  float rope_scale, Weight qkv)
-      : mx::Primitive(s), heads_(heads), eps_(eps), rope_dims_(rope_dims), offset_(offset),
-        rope_scale_(rope_scale), qkv_(qkv) {}
+  AttentionInputs(mx::Stream s, Heads heads, float eps, RopeParams rope, Weight qkv)
+      : mx::Primitive(s), heads_(heads), eps_(eps), rope_(rope), qkv_(qkv) {}
 
   // inputs: x (B, N, H), norm weight (H,), inverse frequencies (rope_dims / 2,), qkv weight.
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     for (auto& o : outputs) alloc_out(o);
     register_io(stream(), inputs, outputs);
     mx::cpu::get_command_encoder(stream()).dispatch(
-        [in = weak(inputs), out = weak(outputs), h = heads_, eps = eps_, dims = rope_dims_,
-         offset = offset_, scale = rope_scale_, qkv = qkv_]() mutable {
+        [in = weak(inputs), out = weak(outputs), h = heads_, eps = eps_, r = rope_,
+         qkv = qkv_]() mutable {
           const auto& x = in[0];
-          const int64_t B = x.shape(0), N = x.shape(1), H = x.shape(2), M = B * N;
-          if (M == 0) return;
-          const int64_t W = (h.q + 2 * h.kv) * h.dim;
+          if (x.size() == 0) return;
           std::vector<char> xs, ws, fs;
-          std::vector<float> normed(static_cast<size_t>(M * H)), y(static_cast<size_t>(M * W));
-          rms_norm(floats(x, xs), H, M, H, floats(in[1], ws), eps, normed.data());
-          product(in, qkv, normed.data(), M, H, y.data());
-          // Row (b, t) of y is [q heads | k heads | v heads]; element (b, head, t, j)
-          // of a head group starting at column c is y[(b * N + t) * W + c + head * dim + j].
-          const float* freqs = floats(in[2], fs);
-          rope(View3{y.data(), N * W, h.dim, W}, B, h.q, N, h.dim, dims, offset, scale, freqs,
-               out[0].data<float>());
-          rope(View3{y.data() + h.q * h.dim, N * W, h.dim, W}, B, h.kv, N, h.dim, dims, offset,
-               scale, freqs, out[1].data<float>());
-          float* v = out[2].data<float>();
-          for (int64_t b = 0; b < B; ++b)
-            for (int64_t head = 0; head < h.kv; ++head)
-              for (int64_t t = 0; t < N; ++t)
-                std::memcpy(v + ((b * h.kv + head) * N + t) * h.dim,
-                            y.data() + (b * N + t) * W + (h.q + h.kv + head) * h.dim,
-                            h.dim * sizeof(float));
+          qkv_rows(in, qkv, floats(x, xs), x.shape(0), x.shape(1), x.shape(2),
+                   Norm{floats(in[1], ws), eps}, h, r, floats(in[2], fs), out[0].data<float>(),
+                   out[1].data<float>(), out[2].data<float>());
         });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -127,9 +197,8 @@ class AttentionInputs : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const AttentionInputs&>(other);
     return heads_.q == o.heads_.q && heads_.kv == o.heads_.kv && heads_.dim == o.heads_.dim &&
-        eps_ == o.eps_ && rope_dims_ == o.rope_dims_ && offset_ == o.offset_ &&
-        rope_scale_ == o.rope_scale_ && qkv_.bits == o.qkv_.bits &&
-        qkv_.group_size == o.qkv_.group_size;
+        eps_ == o.eps_ && rope_.dims == o.rope_.dims && rope_.offset == o.rope_.offset &&
+        rope_.scale == o.rope_.scale && same_kind(qkv_, o.qkv_);
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     const int B = inputs[0].shape(0), N = inputs[0].shape(1), D = static_cast<int>(heads_.dim);
@@ -140,73 +209,63 @@ class AttentionInputs : public mx::Primitive {
  private:
   Heads heads_;
   float eps_;
-  int rope_dims_;
-  int64_t offset_;
-  float rope_scale_;
+  RopeParams rope_;
   Weight qkv_;
 };
 
-class MlpBlock : public mx::UnaryPrimitive {
- public:
-  MlpBlock(mx::Stream s, float eps, Weight o, Weight gate_up, Weight down)
-      : mx::UnaryPrimitive(s), eps_(eps), o_(o), gate_up_(gate_up), down_(down) {}
+struct AttentionParams {
+  float scale;
+  int64_t window;  // 0: none
+};
 
-  // inputs: attention output (B, Hq, N, D), residual x (B, N, H), norm weight (H,),
-  // then the o, gate/up and down weights.
+// Attention and everything after it, for a full-attention cache: the keys and
+// values buffers (B, Hkv, capacity, D) hold positions 0 .. length - 1 (the queries
+// q (B, Hq, N, D) are the last N); causal attention over them as the attention op
+// computes it, then mlp_rows. Reads the buffers in place (no history slices).
+class AttentionMlp : public mx::UnaryPrimitive {
+ public:
+  AttentionMlp(mx::Stream s, int64_t length, AttentionParams attention, float eps, MlpWeights w)
+      : mx::UnaryPrimitive(s), length_(length), attention_(attention), eps_(eps), w_(w) {}
+
+  // inputs: q, keys, values, residual x (B, N, H), norm weight (H,), the mlp weights.
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override {
     alloc_out(output);
     std::vector<mx::array> outputs{output};
     register_io(stream(), inputs, outputs);
     mx::cpu::get_command_encoder(stream()).dispatch(
-        [in = weak(inputs), out = mx::array::unsafe_weak_copy(output), eps = eps_, wo = o_,
-         wgu = gate_up_, wd = down_]() mutable {
-          const auto& attn = in[0];
-          const auto& x = in[1];
-          const int64_t B = x.shape(0), N = x.shape(1), H = x.shape(2), M = B * N;
-          if (M == 0) return;
-          const int64_t Hq = attn.shape(1), D = attn.shape(3), A = Hq * D;
-          const int64_t I = weight_rows(in, wgu) / 2;
-          std::vector<char> as, xs, ws;
-          // The attention heads of each position side by side: rows (b, t) of (M, Hq * D).
-          const float* ap = floats(attn, as);
-          std::vector<float> rows(static_cast<size_t>(M * A));
-          for (int64_t b = 0; b < B; ++b)
-            for (int64_t t = 0; t < N; ++t)
-              for (int64_t head = 0; head < Hq; ++head)
-                std::memcpy(rows.data() + (b * N + t) * A + head * D,
-                            ap + ((b * Hq + head) * N + t) * D, D * sizeof(float));
-          std::vector<float> h(static_cast<size_t>(M * H)), normed(h.size());
-          product(in, wo, rows.data(), M, A, h.data());
-          const float* xp = floats(x, xs);
-          for (int64_t i = 0; i < M * H; ++i) h[i] = xp[i] + h[i];
-          rms_norm(h.data(), H, M, H, floats(in[2], ws), eps, normed.data());
-          std::vector<float> gu(static_cast<size_t>(M * 2 * I)), act(static_cast<size_t>(M * I));
-          product(in, wgu, normed.data(), M, H, gu.data());
-          silu_mul(gu.data(), 2 * I, gu.data() + I, 2 * I, M, I, act.data());
-          float* o = out.data<float>();
-          product(in, wd, act.data(), M, I, o);
-          for (int64_t i = 0; i < M * H; ++i) o[i] = h[i] + o[i];
+        [in = weak(inputs), out = mx::array::unsafe_weak_copy(output), L = length_,
+         a = attention_, eps = eps_, w = w_]() mutable {
+          const auto& q = in[0];
+          const auto& x = in[3];
+          if (x.size() == 0) return;
+          const int64_t B = q.shape(0), Hq = q.shape(1), N = q.shape(2), D = q.shape(3);
+          const int64_t Hkv = in[1].shape(1);
+          std::vector<char> qs, ks, vs, xs, ws;
+          std::vector<float> attn(q.size());
+          attention(view_of(q, qs), view_of(in[1], ks), view_of(in[2], vs), B, Hq, Hkv, N, L, D,
+                    D, a.scale, true, a.window, attn.data());
+          mlp_rows(in, w, attn.data(), Hq, D, floats(x, xs), B, N, x.shape(2),
+                   Norm{floats(in[4], ws), eps}, out.data<float>());
         });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("[arbor.mlp_block] has no GPU implementation.");
+    throw std::runtime_error("[arbor.attention_mlp] has no GPU implementation.");
   }
-  const char* name() const override { return "ArborMlpBlock"; }
+  const char* name() const override { return "ArborAttentionMlp"; }
   bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const MlpBlock&>(other);
-    auto same = [](const Weight& a, const Weight& b) {
-      return a.bits == b.bits && a.group_size == b.group_size;
-    };
-    return eps_ == o.eps_ && same(o_, o.o_) && same(gate_up_, o.gate_up_) &&
-        same(down_, o.down_);
+    const auto& o = static_cast<const AttentionMlp&>(other);
+    return length_ == o.length_ && attention_.scale == o.attention_.scale &&
+        attention_.window == o.attention_.window && eps_ == o.eps_ && same_mlp(w_, o.w_);
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[1].shape()};
+    return {inputs[3].shape()};
   }
 
  private:
+  int64_t length_;
+  AttentionParams attention_;
   float eps_;
-  Weight o_, gate_up_, down_;
+  MlpWeights w_;
 };
 
 [[noreturn]] void fail(const char* op, const std::string& what) {
@@ -221,9 +280,9 @@ void require_f32(const char* op, const mx::array& a, const char* what) {
 
 // Appends one weight's arrays to `inputs` after checking its kind and shape
 // (rows x cols); returns where it starts.
-Weight take_weight(const char* op, const char* what, const std::vector<mx::array>& arrays,
-                   int bits, int group_size, int64_t rows, int64_t cols,
-                   std::vector<mx::array>& inputs) {
+Weight take_weight(const char* op, const char* what, const WeightArg& arg, int64_t rows,
+                   int64_t cols, std::vector<mx::array>& inputs) {
+  const auto& [arrays, bits, group_size] = arg;
   if (bits != 0 && bits != 4 && bits != 8)
     fail(op, std::string(what) + ": bits must be 0 (dense), 4 or 8, got " +
                  std::to_string(bits) + ".");
@@ -267,15 +326,8 @@ void require_rows(const char* op, const mx::array& x, const mx::array& norm) {
     fail(op, "norm weight " + shape_str(norm) + " does not match x " + shape_str(x) + ".");
 }
 
-}  // namespace
-
-std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& norm_weight,
-                                        float eps, const std::vector<mx::array>& qkv, int bits,
-                                        int group_size, int heads, int kv_heads, int head_dim,
-                                        int rope_dims, int64_t offset, float rope_scale,
-                                        const mx::array& inv_freqs, mx::StreamOrDevice s) {
-  const char* op = "attention_inputs";
-  require_rows(op, x, norm_weight);
+void require_heads(const char* op, const mx::array& inv_freqs, int heads, int kv_heads,
+                   int head_dim, int rope_dims, int64_t offset) {
   require_f32(op, inv_freqs, "inv_freqs");
   if (heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || rope_dims <= 0 ||
       rope_dims % 2 != 0 || rope_dims > head_dim || inv_freqs.ndim() != 1 ||
@@ -285,39 +337,66 @@ std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& nor
              ", kv_heads " + std::to_string(kv_heads) + ", head_dim " +
              std::to_string(head_dim) + ", rope_dims " + std::to_string(rope_dims) +
              ", inv_freqs " + shape_str(inv_freqs) + ", offset " + std::to_string(offset) + ".");
+}
+
+MlpWeights take_mlp(const char* op, int64_t H, int64_t A, const WeightArg& o,
+                    const WeightArg& gate_up, const WeightArg& down,
+                    std::vector<mx::array>& inputs) {
+  const auto& gu = std::get<0>(gate_up);
+  if (gu.empty() || gu[0].ndim() != 2 || gu[0].shape(0) % 2 != 0)
+    fail(op, "gate_up: expected the gate and up rows stacked (2 * I rows).");
+  const int64_t I = gu[0].shape(0) / 2;
+  MlpWeights w;
+  w.o = take_weight(op, "o", o, H, A, inputs);
+  w.gate_up = take_weight(op, "gate_up", gate_up, 2 * I, H, inputs);
+  w.down = take_weight(op, "down", down, H, I, inputs);
+  return w;
+}
+
+}  // namespace
+
+std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& norm_weight,
+                                        float eps, const WeightArg& qkv, int heads, int kv_heads,
+                                        int head_dim, int rope_dims, int64_t offset,
+                                        float rope_scale, const mx::array& inv_freqs,
+                                        mx::StreamOrDevice s) {
+  const char* op = "attention_inputs";
+  require_rows(op, x, norm_weight);
+  require_heads(op, inv_freqs, heads, kv_heads, head_dim, rope_dims, offset);
   std::vector<mx::array> inputs{x, norm_weight, inv_freqs};
   const int64_t width = static_cast<int64_t>(heads + 2 * kv_heads) * head_dim;
-  const Weight w = take_weight(op, "qkv", qkv, bits, group_size, width, x.shape(2), inputs);
+  const Weight w = take_weight(op, "qkv", qkv, width, x.shape(2), inputs);
   const int B = x.shape(0), N = x.shape(1);
   auto prim = std::make_shared<AttentionInputs>(cpu_stream(s), Heads{heads, kv_heads, head_dim},
-                                                eps, rope_dims, offset, rope_scale, w);
+                                                eps, RopeParams{rope_dims, offset, rope_scale}, w);
   return mx::array::make_arrays({{B, heads, N, head_dim}, {B, kv_heads, N, head_dim},
                                  {B, kv_heads, N, head_dim}},
                                 {mx::float32, mx::float32, mx::float32}, prim, inputs);
 }
 
-mx::array mlp_block(const mx::array& attn, const mx::array& x, const mx::array& norm_weight,
-                    float eps, const std::vector<mx::array>& o, int o_bits, int o_group,
-                    const std::vector<mx::array>& gate_up, int gate_up_bits, int gate_up_group,
-                    const std::vector<mx::array>& down, int down_bits, int down_group,
-                    mx::StreamOrDevice s) {
-  const char* op = "mlp_block";
+mx::array attention_mlp(const mx::array& q, const mx::array& keys, const mx::array& values,
+                        int64_t length, float scale, int64_t window, const mx::array& x,
+                        const mx::array& norm_weight, float eps, const WeightArg& o,
+                        const WeightArg& gate_up, const WeightArg& down, mx::StreamOrDevice s) {
+  const char* op = "attention_mlp";
   require_rows(op, x, norm_weight);
-  require_f32(op, attn, "attention output");
-  if (attn.ndim() != 4 || attn.shape(0) != x.shape(0) || attn.shape(2) != x.shape(1))
-    fail(op, "expected the attention output (B, Hq, N, D) for x (B, N, H), got " +
-                 shape_str(attn) + " for x " + shape_str(x) + ".");
-  if (gate_up.empty() || gate_up[0].ndim() != 2 || gate_up[0].shape(0) % 2 != 0)
-    fail(op, "gate_up: expected the gate and up rows stacked (2 * I rows).");
-  const int64_t H = x.shape(2), A = static_cast<int64_t>(attn.shape(1)) * attn.shape(3);
-  const int64_t I = gate_up[0].shape(0) / 2;
-  std::vector<mx::array> inputs{attn, x, norm_weight};
-  const Weight wo = take_weight(op, "o", o, o_bits, o_group, H, A, inputs);
-  const Weight wgu = take_weight(op, "gate_up", gate_up, gate_up_bits, gate_up_group, 2 * I, H,
-                                 inputs);
-  const Weight wd = take_weight(op, "down", down, down_bits, down_group, H, I, inputs);
+  for (auto [a, what] : {std::pair{&q, "q"}, std::pair{&keys, "keys"}, std::pair{&values, "values"}})
+    require_f32(op, *a, what);
+  const bool ok = q.ndim() == 4 && keys.ndim() == 4 && keys.shape() == values.shape() &&
+      q.shape(0) == x.shape(0) && q.shape(2) == x.shape(1) && keys.shape(0) == q.shape(0) &&
+      keys.shape(1) > 0 && q.shape(1) % keys.shape(1) == 0 && keys.shape(3) == q.shape(3) &&
+      length >= q.shape(2) && length <= keys.shape(2) && window >= 0;
+  if (!ok)
+    fail(op, "expected q (B, Hq, N, D) for x (B, N, H), key and value buffers (B, Hkv, capacity, "
+             "D) with Hq a multiple of Hkv, N <= length <= capacity and window >= 0; got q " +
+             shape_str(q) + ", keys " + shape_str(keys) + ", values " + shape_str(values) +
+             ", x " + shape_str(x) + ", length " + std::to_string(length) + ".");
+  std::vector<mx::array> inputs{q, keys, values, x, norm_weight};
+  const MlpWeights w = take_mlp(op, x.shape(2), static_cast<int64_t>(q.shape(1)) * q.shape(3), o,
+                                gate_up, down, inputs);
   return mx::array(x.shape(), mx::float32,
-                   std::make_shared<MlpBlock>(cpu_stream(s), eps, wo, wgu, wd),
+                   std::make_shared<AttentionMlp>(cpu_stream(s), length,
+                                                  AttentionParams{scale, window}, eps, w),
                    std::move(inputs));
 }
 

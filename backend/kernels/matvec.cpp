@@ -12,6 +12,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <optional>
@@ -328,32 +329,31 @@ NB_MODULE(_arbor_kernels, m) {
         "at position p is (p * scale) * inv_freqs[i].");
   m.def("attention_inputs",
         [](const mx::array& x, const mx::array& norm_weight, float eps,
-           const std::vector<mx::array>& qkv, int bits, int group_size, int heads, int kv_heads,
-           int head_dim, int rope_dims, int64_t offset, float rope_scale,
-           const mx::array& inv_freqs) {
-          return arbor::attention_inputs(x, norm_weight, eps, qkv, bits, group_size, heads,
-                                         kv_heads, head_dim, rope_dims, offset, rope_scale,
-                                         inv_freqs);
+           const arbor::WeightArg& qkv, int heads, int kv_heads, int head_dim, int rope_dims,
+           int64_t offset, float rope_scale, const mx::array& inv_freqs) {
+          return arbor::attention_inputs(x, norm_weight, eps, qkv, heads, kv_heads, head_dim,
+                                         rope_dims, offset, rope_scale, inv_freqs);
         },
-        nb::arg("x"), nb::arg("norm_weight"),
-        nb::arg("eps"), nb::arg("qkv"), nb::arg("bits"), nb::arg("group_size"), nb::arg("heads"),
+        nb::arg("x"), nb::arg("norm_weight"), nb::arg("eps"), nb::arg("qkv"), nb::arg("heads"),
         nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("rope_dims"), nb::arg("offset"),
         nb::arg("rope_scale"), nb::arg("inv_freqs"),
         "[q, k, v] (B, heads, N, D) of a pre-norm attention layer for float32 x (B, N, H): "
-        "RMS norm, the stacked q/k/v product, RoPE of q and k at positions offset + t.");
-  m.def("mlp_block",
-        [](const mx::array& attn, const mx::array& x, const mx::array& norm_weight, float eps,
-           const std::vector<mx::array>& o, int o_bits, int o_group,
-           const std::vector<mx::array>& gate_up, int gate_up_bits, int gate_up_group,
-           const std::vector<mx::array>& down, int down_bits, int down_group) {
-          return arbor::mlp_block(attn, x, norm_weight, eps, o, o_bits, o_group, gate_up,
-                                  gate_up_bits, gate_up_group, down, down_bits, down_group);
+        "RMS norm, the stacked q/k/v product, RoPE of q and k at positions offset + t. A weight "
+        "is (arrays, bits, group_size).");
+  m.def("attention_mlp",
+        [](const mx::array& q, const mx::array& keys, const mx::array& values, int64_t length,
+           float scale, int64_t window, const mx::array& x, const mx::array& norm_weight,
+           float eps, const arbor::WeightArg& o, const arbor::WeightArg& gate_up,
+           const arbor::WeightArg& down) {
+          return arbor::attention_mlp(q, keys, values, length, scale, window, x, norm_weight, eps,
+                                      o, gate_up, down);
         },
-        nb::arg("attn"), nb::arg("x"), nb::arg("norm_weight"),
-        nb::arg("eps"), nb::arg("o"), nb::arg("o_bits"), nb::arg("o_group"), nb::arg("gate_up"),
-        nb::arg("gate_up_bits"), nb::arg("gate_up_group"), nb::arg("down"), nb::arg("down_bits"),
-        nb::arg("down_group"),
-        "x + o(attn) -> h, then h + down(silu(gate) * up) of the RMS-normed h (B, N, H).");
+        nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("length"), nb::arg("scale"),
+        nb::arg("window"), nb::arg("x"), nb::arg("norm_weight"), nb::arg("eps"), nb::arg("o"),
+        nb::arg("gate_up"), nb::arg("down"),
+        "Causal attention over the first `length` positions of a cache's key / value buffers, "
+        "then the rest of a pre-norm layer: x + o(attn) -> h, h + down(silu(gate) * up) of the "
+        "RMS-normed h.");
   m.def("isa", [] { return std::string(arbor::best_isa().name); },
         "Instruction set the kernels use on this CPU.");
   m.def("max_threads", &arbor::max_threads, "Threads a large product may use.");

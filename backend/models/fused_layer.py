@@ -1,16 +1,18 @@
-"""A Llama-style layer's few-row forward (decode, verify blocks) through two fused kernels.
+"""A Llama-style layer's few-row forward (decode, verify blocks) through fused kernels.
 
 ``PreNormDecoderLayer`` computes ``h = x + o(attention(norm(x)))`` then ``h + mlp(norm(h))``
 as ~26 graph nodes; at decode sizes each node's building and dispatch cost more than its
 arithmetic, per layer and per token, for the target and a draft model alike. With the
 layer's weights in kernel form (``use_cpu_kernels``: stacked q/k/v and gate/up products),
-``FusedLayer`` runs it as ``kernels.attention_inputs`` (norm, q/k/v product, RoPE), the
-cache update and attention as before, and ``kernels.mlp_block`` (everything after
-attention). The kernels call the same functions the separate ops call, so outputs are equal
-bit for bit (tests/test_fused_layers.py) and a verify block still equals decode steps.
+``FusedLayer`` runs it as four: ``kernels.attention_inputs`` (norm, q/k/v product, RoPE),
+the cache's two buffer writes (``KVCache.append``, in place) and ``kernels.attention_mlp``
+(attention reading the buffers in place, then everything after it). The kernels call the same
+functions the separate ops call, so outputs are equal bit for bit (tests/test_fused_layers.py)
+and a verify block still equals decode steps.
 
-Layers it does not cover stay on the separate ops: biases, q/k norms, output gates, scaled
-RoPE outputs, Gemma's offset norms, non-SwiGLU or mixture-of-experts MLPs, more than
+What it does not cover stays on the separate ops: biases, q/k norms, output gates, scaled
+RoPE outputs, Gemma's offset norms, non-SwiGLU or mixture-of-experts MLPs, caches other than
+a float32 full-attention ``KVCache`` (its sliding windows are masks: covered), more than
 ``kernels.MAX_KERNEL_ROWS`` rows (prefill), non-float32 activations.
 """
 
@@ -20,6 +22,7 @@ import mlx.core as mx
 
 from backend import kernels
 from backend.caches.base import Cache
+from backend.caches.kv import KVCache
 from backend.models.cpu_linear import KernelLinear, KernelQuantizedLinear, StackedProjections
 from backend.models.layers import Attention, GatedMLP, RMSNorm
 
@@ -82,10 +85,13 @@ class FusedLayer:
             return None
         layer = self.layer
         attn, norm1, norm2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+        if type(cache) is not KVCache or attn.mask.kind != "causal" or not cache.holds_float32():
+            return None
         rope = attn.rope
         q, k, v = kernels.attention_inputs(
             x, norm1.weight, norm1.eps, self.qkv, attn.num_heads, attn.num_kv_heads,
             attn.head_dim, rope.dims, offset, rope.scale, rope._inverse_frequencies())
-        out = attn.attend(q, k, v, cache)
-        return kernels.mlp_block(out, x, norm2.weight, norm2.eps, self.o, self.gate_up,
-                                 self.down)
+        cache.append(k, v)  # the attention reads the buffers in place: no history views
+        return kernels.attention_mlp(q, cache.keys, cache.values, cache.offset, attn.scale,
+                                     attn.mask.window or 0, x, norm2.weight, norm2.eps, self.o,
+                                     self.gate_up, self.down)
