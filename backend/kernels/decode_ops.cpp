@@ -17,40 +17,6 @@
 namespace arbor {
 namespace {
 
-// A float32 operand of rank 3 or 4 with unit last stride, as a View3 over its
-// last three (rank 4) or last two (rank 3) dims; copied when needed.
-View3 view_of(const mx::array& a, std::vector<char>& scratch) {
-  const int nd = a.ndim();
-  const float* p = a.data<float>();
-  std::vector<int64_t> st(a.strides().begin(), a.strides().end());
-  if (st.back() != 1 && a.shape(-1) > 1) {
-    scratch.resize(a.nbytes());
-    gather(a, scratch.data());
-    p = reinterpret_cast<const float*>(scratch.data());
-    int64_t acc = 1;
-    for (int d = nd - 1; d >= 0; --d) {
-      st[d] = acc;
-      acc *= a.shape(d);
-    }
-  }
-  if (nd == 4) return View3{p, st[0], st[1], st[2]};
-  return View3{p, 0, st[0], st[1]};
-}
-
-// The elements of a float32 array in row-major order (copied when strided).
-const float* contiguous_floats(const mx::array& a, std::vector<char>& scratch) {
-  if (a.flags().row_contiguous) return a.data<float>();
-  scratch.resize(a.nbytes());
-  gather(a, scratch.data());
-  return reinterpret_cast<const float*>(scratch.data());
-}
-
-void register_io(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out) {
-  auto& enc = mx::cpu::get_command_encoder(stream);
-  for (const auto& a : inputs) enc.set_input_array(a);
-  enc.set_output_array(out);
-}
-
 class Attention : public mx::UnaryPrimitive {
  public:
   Attention(mx::Stream s, float scale, bool causal, int64_t window)

@@ -67,36 +67,6 @@ std::vector<mx::array> weak(const std::vector<mx::array>& arrays) {
   return copies;
 }
 
-void register_io(mx::Stream stream, const std::vector<mx::array>& inputs,
-                 std::vector<mx::array>& outputs) {
-  auto& enc = mx::cpu::get_command_encoder(stream);
-  for (const auto& a : inputs) enc.set_input_array(a);
-  for (auto& a : outputs) enc.set_output_array(a);
-}
-
-// A float32 operand of rank 4 with unit last stride as a View3 over its last
-// three dims (copied when its last stride is not 1).
-View3 view_of(const mx::array& a, std::vector<char>& scratch) {
-  const float* p = a.data<float>();
-  auto st = a.strides();
-  if (st[3] != 1 && a.shape(3) > 1) {
-    scratch.resize(a.nbytes());
-    gather(a, scratch.data());
-    p = reinterpret_cast<const float*>(scratch.data());
-    return View3{p, static_cast<int64_t>(a.shape(1)) * a.shape(2) * a.shape(3),
-                 static_cast<int64_t>(a.shape(2)) * a.shape(3), a.shape(3)};
-  }
-  return View3{p, st[0], st[1], st[2]};
-}
-
-// The float32 elements of `a` in row-major order (copied when strided).
-const float* floats(const mx::array& a, std::vector<char>& scratch) {
-  if (a.flags().row_contiguous) return a.data<float>();
-  scratch.resize(a.nbytes());
-  gather(a, scratch.data());
-  return reinterpret_cast<const float*>(scratch.data());
-}
-
 struct Heads {
   int64_t q, kv, dim;
 };
@@ -185,9 +155,9 @@ class AttentionInputs : public mx::Primitive {
           const auto& x = in[0];
           if (x.size() == 0) return;
           std::vector<char> xs, ws, fs;
-          qkv_rows(in, qkv, floats(x, xs), x.shape(0), x.shape(1), x.shape(2),
-                   Norm{floats(in[1], ws), eps}, h, r, floats(in[2], fs), out[0].data<float>(),
-                   out[1].data<float>(), out[2].data<float>());
+          qkv_rows(in, qkv, contiguous_floats(x, xs), x.shape(0), x.shape(1), x.shape(2),
+                   Norm{contiguous_floats(in[1], ws), eps}, h, r, contiguous_floats(in[2], fs),
+                   out[0].data<float>(), out[1].data<float>(), out[2].data<float>());
         });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -244,8 +214,8 @@ class AttentionMlp : public mx::UnaryPrimitive {
           std::vector<float> attn(q.size());
           attention(view_of(q, qs), view_of(in[1], ks), view_of(in[2], vs), B, Hq, Hkv, N, L, D,
                     D, a.scale, true, a.window, attn.data());
-          mlp_rows(in, w, attn.data(), Hq, D, floats(x, xs), B, N, x.shape(2),
-                   Norm{floats(in[4], ws), eps}, out.data<float>());
+          mlp_rows(in, w, attn.data(), Hq, D, contiguous_floats(x, xs), B, N, x.shape(2),
+                   Norm{contiguous_floats(in[4], ws), eps}, out.data<float>());
         });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {

@@ -1,4 +1,4 @@
-// Small helpers shared by the MLX primitives (matvec.cpp, decode_ops.cpp).
+// Small helpers shared by the MLX primitives (matvec.cpp, decode_ops.cpp, layer_ops.cpp).
 #pragma once
 
 #include <cstdint>
@@ -9,6 +9,7 @@
 
 #include "mlx/allocator.h"
 #include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/stream.h"
 #include "mlx/utils.h"
 
@@ -166,6 +167,48 @@ inline void quantized_product(const float* x, int64_t M, int64_t K, const mx::ar
   if (K > 0) scale_bias_rows(sc, bi, sp, bp, lds, ss, bs);
   matvec_q(x, K, M, K, reinterpret_cast<const uint8_t*>(qp), ldq * 4, sp, bp, lds, group_size,
            bits, N, out);
+}
+
+// A float32 operand of rank 3 or 4 with unit last stride, as a View3 over its
+// last three (rank 4) or last two (rank 3) dims; copied when needed.
+inline View3 view_of(const mx::array& a, std::vector<char>& scratch) {
+  const int nd = a.ndim();
+  const float* p = a.data<float>();
+  std::vector<int64_t> st(a.strides().begin(), a.strides().end());
+  if (st.back() != 1 && a.shape(-1) > 1) {
+    scratch.resize(a.nbytes());
+    gather(a, scratch.data());
+    p = reinterpret_cast<const float*>(scratch.data());
+    int64_t acc = 1;
+    for (int d = nd - 1; d >= 0; --d) {
+      st[d] = acc;
+      acc *= a.shape(d);
+    }
+  }
+  if (nd == 4) return View3{p, st[0], st[1], st[2]};
+  return View3{p, 0, st[0], st[1]};
+}
+
+// The elements of a float32 array in row-major order (copied when strided).
+inline const float* contiguous_floats(const mx::array& a, std::vector<char>& scratch) {
+  if (a.flags().row_contiguous) return a.data<float>();
+  scratch.resize(a.nbytes());
+  gather(a, scratch.data());
+  return reinterpret_cast<const float*>(scratch.data());
+}
+
+inline void register_io(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& enc = mx::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) enc.set_input_array(a);
+  enc.set_output_array(out);
+}
+
+// The same for a primitive with several outputs.
+inline void register_io(mx::Stream stream, const std::vector<mx::array>& inputs,
+                        std::vector<mx::array>& outputs) {
+  auto& enc = mx::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) enc.set_input_array(a);
+  for (auto& a : outputs) enc.set_output_array(a);
 }
 
 }  // namespace arbor
