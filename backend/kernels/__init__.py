@@ -24,9 +24,10 @@ of tiny ops (a dispatch each) for what is one pass over a few KB:
 * ``rms_norm(x, weight, eps)`` and ``rope(x, dims, offset, scale, inv_freqs)``: the
   ``mx.fast`` ops for decode-sized float32 inputs (larger ones stay with MLX).
 
-Two fused blocks make a Llama-style layer's few-row forward ~7 graph nodes instead of ~26
-(at decode sizes a node's building and dispatch cost more than its arithmetic), calling the
-same functions as the ops above, so their results are the same bit for bit:
+Two fused blocks make a Llama-style layer's few-row forward four graph nodes instead of ~26
+(with the cache's two in-place writes between them; at decode sizes a node's building and
+dispatch cost more than its arithmetic), calling the same functions as the ops above, so
+their results are the same bit for bit:
 
 * ``attention_inputs``: RMS norm, the stacked q/k/v product, RoPE of q and k;
 * ``attention_mlp``: attention over a cache's buffers, output projection, residual, RMS norm,
@@ -198,6 +199,10 @@ MAX_KERNEL_ROWS = 16
 #: the kernel stays ahead for longer (measured crossover ~32 rows for a 1536 x 576 4-bit matrix).
 MAX_QUANTIZED_KERNEL_ROWS = 32
 
+#: The affine layouts ``matvec_q`` / ``dequantize`` (and the fused blocks) take.
+QUANTIZED_BITS = (4, 8)
+QUANTIZED_GROUP_SIZES = (32, 64, 128)
+
 _DENSE_W = None
 
 
@@ -245,8 +250,8 @@ def quantized_linear(
     import mlx.core as mx
 
     if (
-        bits in (4, 8)
-        and group_size in (32, 64, 128)
+        bits in QUANTIZED_BITS
+        and group_size in QUANTIZED_GROUP_SIZES
         and x.dtype == mx.float32
         and scales.dtype == mx.float32
         and biases is not None
@@ -270,8 +275,8 @@ def dequantize(wq: Any, scales: Any, biases: Any, group_size: int = 64, bits: in
     import mlx.core as mx
 
     if (
-        bits in (4, 8)
-        and group_size in (32, 64, 128)
+        bits in QUANTIZED_BITS
+        and group_size in QUANTIZED_GROUP_SIZES
         and scales.dtype == mx.float32
         and biases is not None
         and biases.dtype == mx.float32

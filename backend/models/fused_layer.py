@@ -26,9 +26,6 @@ from backend.caches.kv import KVCache
 from backend.models.cpu_linear import KernelLinear, KernelQuantizedLinear, StackedProjections
 from backend.models.layers import Attention, GatedMLP, RMSNorm
 
-QUANTIZED_KERNEL = {"bits": (4, 8), "group_size": (32, 64, 128)}
-
-
 def kernel_weight(source) -> kernels.KernelWeight | None:
     """The matrix of a bias-free kernel linear layer or stacked projection, or None."""
     if isinstance(source, StackedProjections):
@@ -44,8 +41,8 @@ def kernel_weight(source) -> kernels.KernelWeight | None:
         return None
     if not isinstance(first, KernelQuantizedLinear):
         return kernels.KernelWeight(arrays)
-    if first.bits not in QUANTIZED_KERNEL["bits"] or \
-            first.group_size not in QUANTIZED_KERNEL["group_size"]:
+    if first.bits not in kernels.QUANTIZED_BITS or \
+            first.group_size not in kernels.QUANTIZED_GROUP_SIZES:
         return None
     return kernels.KernelWeight(arrays, first.bits, first.group_size)
 

@@ -137,13 +137,10 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (B, heads, N, D)
         offset = cache.offset
         q, k = self.rope(q, offset), self.rope(k, offset)
-        out = self.attend(q, k, v, cache).transpose(0, 2, 1, 3).reshape(b, n, -1)
+        history = cache.update(k, v)
+        out = scaled_dot_product_attention(q, history, self.mask, self.scale,
+                                           native=self.native_ops)  # (B, H, N, D)
+        out = out.transpose(0, 2, 1, 3).reshape(b, n, -1)
         if self.output_gate:
             out = out * mx.sigmoid(gate.reshape(b, n, -1))
         return self.o_proj(out)
-
-    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: Cache) -> mx.array:
-        """Rotated q (B, H, N, D) against the cache once it holds k and v -> (B, H, N, D)."""
-        history = cache.update(k, v)
-        return scaled_dot_product_attention(q, history, self.mask, self.scale,
-                                            native=self.native_ops)
