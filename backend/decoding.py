@@ -159,7 +159,8 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
     ahead = d.step(token.reshape(1)) if d.budget > 1 else None
     fed = ahead is not None
     mx.async_eval([a for a in (token, logprob, ahead) if a is not None])
-    # (depth, accepted, one-off catch-up seconds, fed) of the round that just ended
+    # (depth, accepted, one-off catch-up seconds, fed, a plain step after a verify round) of
+    # the round that just ended
     in_flight, t_round = None, clock()
     while True:
         token_id = int(token.item())
@@ -167,8 +168,9 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
         # weighs against the tokens the round committed.
         now = clock()
         if in_flight is not None:
-            depth, accepted, catch_up_s, after_plain_step = in_flight
-            controller.record(depth, accepted, now - t_round - catch_up_s, after_plain_step)
+            depth, accepted, catch_up_s, after_plain_step, after_round = in_flight
+            controller.record(depth, accepted, now - t_round - catch_up_s, after_plain_step,
+                              after_round)
         t_round = now
         if fed:
             d.held.append(token_id)
@@ -181,7 +183,8 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
         depth = controller.choose(remaining - 1)  # leave room for the bonus token
         draft = drafter.propose(context, depth, d.sampler, d.history) if depth else None
         if draft is None:  # a plain step, pipelined again from here
-            if not fed:
+            after_round = not fed
+            if after_round:
                 ahead = d.step(token.reshape(1))
                 d.held.append(token_id)
             token, logprob = d.sample(ahead)
@@ -190,7 +193,7 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
             mx.async_eval(token if logprob is None else [token, logprob])
             ahead = d.step(token.reshape(1)) if remaining > 1 else None
             fed = ahead is not None
-            in_flight = (0, 0, 0.0, False)
+            in_flight = (0, 0, 0.0, False, after_round)
             continue
         drafts = draft.tokens
         n = drafts.shape[0]
@@ -220,7 +223,7 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
         d.held.extend(ids[:keep])
         drafter.settle(d.held)
         d.stats.record(n, accepted)
-        in_flight = (n, accepted, draft.catch_up_s, fed)
+        in_flight = (n, accepted, draft.catch_up_s, fed, False)
         for j in range(keep if eos_at is None else eos_at + 1):
             d.generated.append(ids[j])
             yield Emitted(ids[j], True, None if lps is None else float(lps[j, ids[j]].item()))

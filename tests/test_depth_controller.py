@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from backend.speculation.depth import DepthController
+from backend.speculation.depth import AFTER_MISS, DepthController
 
 
 def drive(controller: DepthController, acceptance: float, cost, rounds: int = 400,
@@ -67,6 +67,17 @@ def test_a_round_after_a_plain_step_is_priced_as_one_after_a_verify_round():
     controller.record(0, 0, 1.0)
     controller.record(2, 2, 2.4, after_plain_step=True)
     assert abs(controller.cost[2] - 1.4) < 1e-9
+
+
+def test_a_plain_step_right_after_a_verify_round_is_not_priced():
+    # It waited for its whole forward and graph building: a run of plain steps overlaps them.
+    controller = DepthController()
+    controller.record(0, 0, 1.0)
+    controller.record(1, 1, 1.5)
+    controller.record(0, 0, 1.3, after_round=True)
+    assert controller.cost[0] == 1.0 and controller.context == AFTER_MISS
+    controller.record(0, 0, 0.9)
+    assert controller.cost[0] < 1.0
 
 
 def test_leaving_plain_decoding_needs_a_margin():

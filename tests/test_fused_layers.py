@@ -12,18 +12,25 @@ import pytest
 
 from backend.models.loading import load_model
 
+# quantize: bits, or "4-int8": 4 bits with int8 inputs (a draft model's products).
 FUSED_CASES = [("llama", None), ("llama-tied", None), ("mistral-window", None),
-               ("llama3-rope", None), ("llama-linear-rope", None), ("llama", 4), ("llama", 8)]
+               ("llama3-rope", None), ("llama-linear-rope", None), ("llama", 4), ("llama", 8),
+               ("llama-tied", "4-int8")]
 
 
 def _model(tiny_model_dir, tmp_path, case, quantize):
+    from backend.models.cpu_linear import use_int8_inputs
     from backend.models.store import import_hf_folder
 
     folder = tiny_model_dir(case)
     if quantize:
-        folder = import_hf_folder(folder, tmp_path / "q", quantize=quantize)
+        folder = import_hf_folder(folder, tmp_path / "q", quantize=4 if quantize == "4-int8"
+                                  else quantize)
     loaded = load_model(folder)
     assert loaded.cpu_kernels, "the native kernels are the path under test"
+    if quantize == "4-int8":
+        assert use_int8_inputs(loaded.model) > 0
+        assert all(layer.fused.qkv.int8_inputs for layer in loaded.model.model.layers)
     return loaded.model
 
 
@@ -134,6 +141,10 @@ def test_fused_ops_reject_malformed_input(native_kernels):
         k.attention_mlp(q, keys, values, 9, 0.25, 0, x, norm, 1e-5, o, gate_up, down)
     with pytest.raises(ValueError, match="expected q"):
         k.attention_mlp(q[:, :, :1], keys, values, 5, 0.25, 0, x, norm, 1e-5, o, gate_up, down)
+    with pytest.raises(ValueError, match="down: int8 inputs need 4-bit weights"):
+        wq, scales, biases = mx.quantize(mx.zeros((H, 128)), group_size=64, bits=8)
+        k.attention_mlp(q, keys, values, 5, 0.25, 0, x, norm, 1e-5, o, gate_up,
+                        k.KernelWeight((wq, scales, biases), 8, 64, True))
     with pytest.raises(ValueError, match=r"down: expected 64 x 96 values"):
         k.attention_mlp(q, keys, values, 5, 0.25, 0, x, norm, 1e-5, o, gate_up,
                         k.KernelWeight((mx.zeros((H, 95)),)))

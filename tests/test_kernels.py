@@ -211,6 +211,86 @@ def test_matvec_q_argument_errors(K):
         K.matvec_q(x, wq, s.astype(mx.float16), b.astype(mx.float16), group_size=64, bits=4)
 
 
+def int8_input_reference(x: mx.array, wq, scales, biases, group_size: int):
+    """What the int8-input kernel computes, in float64: each block of 64 inputs rounded to
+    int8 by its own scale (max |x| / 127, ties to even), times the weights' scaled values, plus
+    each group's bias times the exact sum of its inputs. Also the bound |terms| that float32
+    rounding error scales with."""
+    xn = np.array(x, dtype=np.float32)
+    m, k = xn.shape
+    blocks = xn.reshape(m, k // 64, 64)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(blocks * inv), -127, 127)  # float32 product, as the kernel rounds it
+    xhat = (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(m, k)
+    scaled = np.array(mx.dequantize(wq, scales, mx.zeros_like(biases), group_size=group_size,
+                                    bits=4), dtype=np.float64)
+    sums = xn.astype(np.float64).reshape(m, k // group_size, group_size).sum(axis=-1)
+    b = np.array(biases, dtype=np.float64)
+    return xhat @ scaled.T + sums @ b.T, np.abs(xhat) @ np.abs(scaled).T + np.abs(sums) @ np.abs(b).T
+
+
+@pytest.mark.parametrize("group_size", [64, 128])
+def test_int8_inputs_compute_their_rounding_exactly(K, group_size):
+    """The int8-input product is the exact product of the rounded inputs (up to float32
+    sums), whatever the row count and wherever a block is all zeros; against the float32
+    inputs it is off by about 1% (over many outputs: one near zero can be off by far more)."""
+    mx.random.seed(11)
+    for m, k, n in [(1, 128, 1), (2, 384, 67), (3, 640, 130), (5, 1536, 40)]:
+        if k % group_size:
+            continue
+        w = mx.random.normal((n, k)) * 0.1
+        wq, s, b = mx.quantize(w, group_size=group_size, bits=4)
+        x = mx.random.normal((m, k))
+        x[0, 64:128] = 0.0  # a block with no scale of its own
+        got = np.array(K.matvec_q(x, wq, s, b, group_size, 4, int8_inputs=True), np.float64)
+        want, bound = int8_input_reference(x, wq, s, b, group_size)
+        assert np.all(np.abs(got - want) <= 2e-6 * bound + 1e-30), (m, k, n)
+        if m * n >= 100:
+            exact = np.array(K.matvec_q(x, wq, s, b, group_size, 4), np.float64)
+            rel = np.sqrt(np.mean((got - exact) ** 2) / np.mean(exact ** 2))
+            assert 1e-4 < rel < 0.03, (m, k, n, rel)  # approximate, yet close
+
+
+def test_the_portable_int8_input_kernel_computes_the_same(K, tmp_path):
+    """The scalar kernel (CPUs without AVX2; ARBOR_MATVEC_ISA=generic) rounds alike."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    w = mx.random.normal((70, 640)) * 0.1
+    wq, s, b = mx.quantize(w, group_size=128, bits=4)
+    x = mx.random.normal((3, 640))
+    np.savez(tmp_path / "args.npz", x=np.array(x), wq=np.array(wq), s=np.array(s), b=np.array(b))
+    script = (
+        "import sys, numpy as np, backend, mlx.core as mx\n"
+        "from backend import kernels\n"
+        "assert kernels.isa() == 'generic', kernels.isa()\n"
+        "a = {k: mx.array(v) for k, v in np.load(sys.argv[1]).items()}\n"
+        "out = kernels.matvec_q(a['x'], a['wq'], a['s'], a['b'], 128, 4, int8_inputs=True)\n"
+        "np.save(sys.argv[2], np.array(out))\n")
+    env = dict(__import__("os").environ, ARBOR_MATVEC_ISA="generic")
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "args.npz"),
+                    str(tmp_path / "out.npy")], check=True, env=env,
+                   cwd=Path(__file__).resolve().parents[1])
+    got = np.load(tmp_path / "out.npy").astype(np.float64)
+    want, bound = int8_input_reference(x, wq, s, b, 128)
+    assert np.all(np.abs(got - want) <= 2e-6 * bound + 1e-30)
+
+
+def test_int8_inputs_need_4_bit_groups_of_64_or_128(K):
+    x = mx.zeros((1, 128))
+    for bits, group_size in ((8, 64), (4, 32)):
+        wq, s, b = mx.quantize(mx.zeros((8, 128)), group_size=group_size, bits=bits)
+        with pytest.raises(ValueError, match="int8 inputs need 4-bit weights in groups of 64"):
+            K.matvec_q(x, wq, s, b, group_size, bits, int8_inputs=True)
+        # The Python helper takes the flag as a request: exact products where it cannot apply.
+        np.testing.assert_array_equal(
+            np.array(kernels.quantized_linear(x, wq, s, b, group_size, bits, int8_inputs=True)),
+            np.array(K.matvec_q(x, wq, s, b, group_size, bits)))
+
+
 def test_linear_helpers_pick_kernel_or_mlx(K):
     w = mx.random.normal((40, 64))
     for shape in [(1, 64), (2, 3, 64), (20, 64)]:  # the last is past MAX_KERNEL_ROWS: MLX
@@ -256,19 +336,20 @@ def test_dequantize_argument_errors_and_fallback(K):
 
 @pytest.mark.parametrize("dtype,k", [(d, k) for d in ("float32", "bfloat16", "float16")
                                      for k in (64, 577, 1001)]
-                         + [(d, k) for d in ("q4", "q8") for k in (64, 576, 992)])
+                         + [(d, k) for d in ("q4", "q8") for k in (64, 576, 992)]
+                         + [("q4-int8", k) for k in (64, 576, 1024)])
 def test_rows_are_reduced_alike_whatever_the_row_count(K, dtype, k):
     """Row invariance: a product of M <= 16 rows equals, bit for bit, M one-row products (a
     speculative verify block then gives exactly the logits of one-token decode steps)."""
     x = mx.random.normal((16, k))
     w = mx.random.normal((37, k)) * 0.1
-    if dtype in ("q4", "q8"):
-        bits = int(dtype[1])
-        wq, scales, biases = mx.quantize(w, group_size=32 if k % 64 else 64, bits=bits)
-        group = 32 if k % 64 else 64
+    if dtype.startswith("q"):
+        bits, int8_inputs = int(dtype[1]), dtype.endswith("int8")
+        group = 128 if int8_inputs and k % 128 == 0 else 32 if k % 64 else 64
+        wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
 
         def product(rows):
-            return K.matvec_q(rows, wq, scales, biases, group, bits)
+            return K.matvec_q(rows, wq, scales, biases, group, bits, int8_inputs=int8_inputs)
     else:
         wt = w.astype(getattr(mx, dtype))
 

@@ -121,15 +121,21 @@ def test_greedy_speculation_equals_plain_greedy(kind, tiny_model_dir, other_draf
 
 
 class ScriptedDepths(DepthController):
-    """Depths from a script (plain stretches between drafting rounds), whatever the prices."""
+    """Depths from a script (plain stretches between drafting rounds), whatever the prices;
+    keeps what each round was told (depth, after_plain_step, after_round)."""
 
     def __init__(self, script):
         super().__init__()
         self.script = script
+        self.told: list[tuple[int, bool, bool]] = []
 
     def choose(self, limit: int) -> int:
         self.rounds += 1
         return min(self.script[(self.rounds - 1) % len(self.script)], limit)
+
+    def record(self, depth, accepted, seconds, after_plain_step=False, after_round=False):
+        self.told.append((depth, after_plain_step, after_round))
+        super().record(depth, accepted, seconds, after_plain_step, after_round)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -147,9 +153,18 @@ def test_a_draft_model_catching_up_plain_stretches_changes_nothing(kind, tiny_mo
             prompt = copy_heavy_prompt(random.Random(seed), plain.model.args.vocab_size)
             plain.clear_cache()  # both prefill the whole prompt alike (the restored prefix of an
             engine.clear_cache()  # earlier reply would be resumed in other chunks)
+            told = engine._controllers["model"].told
+            told.clear()
             ids, logprobs, done, _ = reply(engine, prompt, n=40)
             assert (ids, logprobs) == reply(plain, prompt, n=40)[:2], f"{kind}, {draft}"
             assert done.drafted_tokens > 0
+            # The depth controller hears what each round followed (the prefill's step counts
+            # as a plain one): a plain step right after a verify round (not priced) and a
+            # round right after a plain step (priced less that step).
+            before = [0] + [depth for depth, _, _ in told]
+            for previous, (depth, after_plain_step, after_round) in zip(before, told):
+                assert after_round == (depth == 0 and previous > 0)
+                assert after_plain_step == (depth > 0 and previous == 0)
 
 
 def test_tokens_say_which_came_from_drafts(tiny_model_dir):
@@ -160,6 +175,31 @@ def test_tokens_say_which_came_from_drafts(tiny_model_dir):
     assert sum(from_draft) == done.accepted_tokens > 0
     assert done.drafter == "model" and done.mean_accepted > 0
     assert len(done.acceptance_by_position) == 4 and done.acceptance_by_position[0] == 1.0
+
+
+def test_a_4_bit_draft_drafts_with_int8_inputs_and_changes_nothing(tiny_model_dir, tmp_path,
+                                                                  native_kernels):
+    """A 4-bit draft model's products round their inputs to int8 (faster, approximate): its
+    drafts differ a little from exact products', the replies not at all."""
+    from backend.models.cpu_linear import KernelQuantizedLinear
+    from backend.models.store import import_hf_folder
+
+    folder = tiny_model_dir("llama")
+    draft = import_hf_folder(folder, tmp_path / "q4", quantize=4)
+    memory = CacheConfig.memory_only()
+    plain = Engine.load(str(folder), cache=memory, speculation="none")
+    spec = Engine.load(str(folder), cache=memory, draft=str(draft), draft_depth=3)
+    layers = [m for _, m in spec.draft.model.named_modules()
+              if isinstance(m, KernelQuantizedLinear)]
+    assert layers and all(layer.int8_inputs for layer in layers)
+    rng = random.Random(3)
+    accepted = 0
+    for _ in range(3):
+        prompt = copy_heavy_prompt(rng, plain.model.args.vocab_size)
+        ids, logprobs, done, _ = reply(spec, prompt, n=32)
+        assert (ids, logprobs) == reply(plain, prompt, n=32)[:2]
+        accepted += done.accepted_tokens
+    assert accepted > 0
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):

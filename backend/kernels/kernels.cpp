@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -250,6 +251,27 @@ void q_chunk(void* ctx, int64_t c) {
                    j->ldsb, j->gs, j->bits, j->out, j->N, n0, n1);
 }
 
+struct Q4x8Job {
+  const IsaKernels* isa;
+  QuantizedInputs in;
+  const uint8_t* wq;
+  int64_t ldq;
+  const float* scales;
+  const float* biases;
+  int64_t ldsb;
+  int gs;
+  int64_t N;
+  float* out;
+  int64_t rows;  // per chunk
+};
+
+void q4x8_chunk(void* ctx, int64_t c) {
+  auto* j = static_cast<Q4x8Job*>(ctx);
+  int64_t n0 = c * j->rows, n1 = std::min(j->N, n0 + j->rows);
+  j->isa->q4x8_rows(j->in, j->wq, j->ldq, j->scales, j->biases, j->ldsb, j->gs, j->out, j->N,
+                    n0, n1);
+}
+
 }  // namespace
 
 int max_threads() {
@@ -323,6 +345,56 @@ void matvec_q(
   QJob job{isa, x, ldx, M, K, wq, ldq, scales, biases, ldsb, group_size, bits, N, out, rows};
   int64_t chunks = (N + rows - 1) / rows;
   Pool::get().run(chunks, threads_for(chunks), &q_chunk, &job);
+}
+
+void quantize_inputs(const float* x, int64_t ldx, int64_t M, int64_t K, int group_size,
+                     int8_t* q, float* scale, float* group_sum) {
+  const int64_t blocks = K / 64, groups = K / group_size;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * ldx;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* v = row + b * 64;
+      float amax = 0.0f;
+      for (int i = 0; i < 64; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int8_t* out = q + m * K + b * 64;
+      for (int i = 0; i < 32; ++i) {  // even-indexed values, then odd ones
+        out[i] = static_cast<int8_t>(std::clamp(std::nearbyint(v[2 * i] * inv), -127.0f, 127.0f));
+        out[32 + i] =
+            static_cast<int8_t>(std::clamp(std::nearbyint(v[2 * i + 1] * inv), -127.0f, 127.0f));
+      }
+      scale[m * blocks + b] = amax / 127.0f;
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.0f;
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) sum += row[k];
+      group_sum[m * groups + g] = sum;
+    }
+  }
+}
+
+void matvec_q4_int8_inputs(
+    const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wq,
+    int64_t ldq, const float* scales, const float* biases, int64_t ldsb,
+    int group_size, int64_t N, float* out) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    std::memset(out, 0, sizeof(float) * M * N);
+    return;
+  }
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> scale, group_sum;
+  q.resize(static_cast<size_t>(M * K));
+  scale.resize(static_cast<size_t>(M * (K / 64)));
+  group_sum.resize(static_cast<size_t>(M * (K / group_size)));
+  quantize_inputs(x, ldx, M, K, group_size, q.data(), scale.data(), group_sum.data());
+  // A packed row costs about its int8-input work: count it like a 16-bit row.
+  int64_t row_cost = K * 2 * std::max<int64_t>(1, M / 2);
+  int64_t rows = chunk_rows(row_cost, N);
+  Q4x8Job job{&best_isa(), {q.data(), scale.data(), group_sum.data(), M, K}, wq, ldq, scales,
+              biases, ldsb, group_size, N, out, rows};
+  int64_t chunks = (N + rows - 1) / rows;
+  Pool::get().run(chunks, threads_for(chunks), &q4x8_chunk, &job);
 }
 
 namespace {

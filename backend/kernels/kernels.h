@@ -20,6 +20,16 @@ struct f16_t {
   uint16_t bits;
 };
 
+// Rows of x quantized for the int8-input kernel (quantize_inputs): M rows of K int8 values
+// in blocks of 64 (each block's 32 even-indexed values, then its 32 odd ones), one float32
+// scale per block (value ~= scale * q) and the exact float32 sum of x per weight group.
+struct QuantizedInputs {
+  const int8_t* q;
+  const float* scale;      // M x (K / 64)
+  const float* group_sum;  // M x (K / group_size)
+  int64_t M, K;
+};
+
 using DenseRowsFn = void (*)(
     const float* x, int64_t ldx, int64_t M, int64_t K,
     const void* w, int64_t ldw, float* out, int64_t ldo,
@@ -37,6 +47,11 @@ struct IsaKernels {
       const float* x, int64_t ldx, int64_t M, int64_t K,
       const uint8_t* wq, int64_t ldq, const float* scales, const float* biases,
       int64_t ldsb, int group_size, int bits, float* out, int64_t ldo,
+      int64_t n0, int64_t n1);
+  // 4-bit weights against int8 inputs (group_size a multiple of 64).
+  void (*q4x8_rows)(
+      const QuantizedInputs& in, const uint8_t* wq, int64_t ldq, const float* scales,
+      const float* biases, int64_t ldsb, int group_size, float* out, int64_t ldo,
       int64_t n0, int64_t n1);
 };
 
@@ -63,6 +78,21 @@ void matvec_q(
     const float* x, int64_t ldx, int64_t M, int64_t K,
     const uint8_t* wq, int64_t ldq, const float* scales, const float* biases,
     int64_t ldsb, int group_size, int bits, int64_t N, float* out);
+
+// The same product for 4-bit weights with x rounded to int8 per block of 64 values (scale
+// max |x| / 127): 1.4-1.6x the speed of the float32-input kernel from memory (2x when
+// cache-resident), at ~2% relative error in the products. For draft models, whose outputs
+// are only proposals the target verifies; group_size 64 or 128, K a multiple of it. Rows
+// stay independent (each row's result is the same whatever M is).
+void matvec_q4_int8_inputs(
+    const float* x, int64_t ldx, int64_t M, int64_t K,
+    const uint8_t* wq, int64_t ldq, const float* scales, const float* biases,
+    int64_t ldsb, int group_size, int64_t N, float* out);
+
+// x (M rows at stride ldx; K a multiple of group_size, itself a multiple of 64) into `q` (M * K),
+// `scale` (M * K / 64) and `group_sum` (M * K / group_size).
+void quantize_inputs(const float* x, int64_t ldx, int64_t M, int64_t K, int group_size,
+                     int8_t* q, float* scale, float* group_sum);
 
 // W (N x K) float32 from MLX's affine layout (wq row stride ldq in uint32 words,
 // scales / biases row stride ldsb), bits 4 or 8: the prefill path's weights.

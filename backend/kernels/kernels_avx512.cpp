@@ -5,6 +5,8 @@
 #if defined(__x86_64__) && defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <cmath>
+
 namespace {
 
 struct V {
@@ -55,12 +57,13 @@ struct V {
 };
 
 #include "kernels_impl.h"
+#include "kernels_q4x8.h"
 
 }  // namespace
 
 namespace arbor {
 const IsaKernels& isa_avx512() {
-  static const IsaKernels k{"avx512", 2 * V::W, ARBOR_DENSE_ROWS, &q_rows};
+  static const IsaKernels k{"avx512", 2 * V::W, ARBOR_DENSE_ROWS, &q_rows, &q4x8_rows};
   return k;
 }
 }  // namespace arbor

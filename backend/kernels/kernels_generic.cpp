@@ -50,12 +50,38 @@ struct V {
 
 #include "kernels_impl.h"
 
+// 4-bit weights against int8 inputs (see kernels_q4x8.h for the layout): each block's
+// integer sum exactly, then its two scales in float32.
+void q4x8_rows(const arbor::QuantizedInputs& in, const uint8_t* wq, int64_t ldq,
+               const float* scales, const float* biases, int64_t ldsb, int gs, float* out,
+               int64_t ldo, int64_t n0, int64_t n1) {
+  const int64_t K = in.K, blocks = K / 64, groups = K / gs, per_group = gs / 64;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = wq + n * ldq;
+    for (int64_t m = 0; m < in.M; ++m) {
+      float acc = 0.0f, bias_acc = 0.0f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const float ws = scales[n * ldsb + g];
+        for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+          const int8_t* xb = in.q + m * K + b * 64;
+          const uint8_t* wb = w + b * 32;
+          int32_t sum = 0;
+          for (int i = 0; i < 32; ++i) sum += (wb[i] & 15) * xb[i] + (wb[i] >> 4) * xb[32 + i];
+          acc += static_cast<float>(sum) * (ws * in.scale[m * blocks + b]);
+        }
+        bias_acc += biases[n * ldsb + g] * in.group_sum[m * groups + g];
+      }
+      out[m * ldo + n] = acc + bias_acc;
+    }
+  }
+}
+
 }  // namespace
 
 namespace arbor {
 const IsaKernels& isa_generic() {
   // A 2-value block split into (even, odd) is the natural order: no permutation.
-  static const IsaKernels k{"generic", 0, ARBOR_DENSE_ROWS, &q_rows};
+  static const IsaKernels k{"generic", 0, ARBOR_DENSE_ROWS, &q_rows, &q4x8_rows};
   return k;
 }
 }  // namespace arbor

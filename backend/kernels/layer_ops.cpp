@@ -31,13 +31,12 @@
 namespace arbor {
 namespace {
 
-using WeightArg = std::tuple<std::vector<mx::array>, int, int>;
-
 // A weight matrix among a primitive's inputs, starting at inputs[at]: dense
 // (bits == 0: one array) or affine quantized (wq, scales, biases).
 struct Weight {
   size_t at;
   int bits, group_size;
+  bool int8_inputs;
 };
 
 size_t weight_arrays(int bits) { return bits ? 3 : 1; }
@@ -53,7 +52,8 @@ int64_t weight_cols(const std::vector<mx::array>& in, const Weight& w) {
 void product(const std::vector<mx::array>& in, const Weight& w, const float* x, int64_t M,
              int64_t K, float* out) {
   if (w.bits)
-    quantized_product(x, M, K, in[w.at], in[w.at + 1], in[w.at + 2], w.group_size, w.bits, out);
+    quantized_product(x, M, K, in[w.at], in[w.at + 1], in[w.at + 2], w.group_size, w.bits, out,
+                      w.int8_inputs);
   else
     dense_product(x, M, K, in[w.at], out);
 }
@@ -133,7 +133,7 @@ void mlp_rows(const std::vector<mx::array>& in, const MlpWeights& w, const float
 }
 
 bool same_kind(const Weight& a, const Weight& b) {
-  return a.bits == b.bits && a.group_size == b.group_size;
+  return a.bits == b.bits && a.group_size == b.group_size && a.int8_inputs == b.int8_inputs;
 }
 
 bool same_mlp(const MlpWeights& a, const MlpWeights& b) {
@@ -252,15 +252,19 @@ void require_f32(const char* op, const mx::array& a, const char* what) {
 // (rows x cols); returns where it starts.
 Weight take_weight(const char* op, const char* what, const WeightArg& arg, int64_t rows,
                    int64_t cols, std::vector<mx::array>& inputs) {
-  const auto& [arrays, bits, group_size] = arg;
+  const auto& [arrays, bits, group_size, int8_inputs] = arg;
   if (bits != 0 && bits != 4 && bits != 8)
     fail(op, std::string(what) + ": bits must be 0 (dense), 4 or 8, got " +
                  std::to_string(bits) + ".");
+  if (int8_inputs && !int8_inputs_supported(bits, group_size))
+    fail(op, std::string(what) + ": int8 inputs need 4-bit weights in groups of 64 or 128, got "
+                 "bits " + std::to_string(bits) + ", group_size " + std::to_string(group_size) +
+                 ".");
   if (arrays.size() != weight_arrays(bits))
     fail(op, std::string(what) + ": expected " + (bits ? "wq, scales and biases" : "one array") +
                  ", got " + std::to_string(arrays.size()) + " arrays.");
   const auto& w = arrays[0];
-  Weight spec{inputs.size(), bits, group_size};
+  Weight spec{inputs.size(), bits, group_size, int8_inputs};
   if (w.ndim() != 2) fail(op, std::string(what) + ": expected a matrix, got " + shape_str(w) + ".");
   if (bits) {
     const auto& sc = arrays[1];

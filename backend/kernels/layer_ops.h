@@ -14,8 +14,9 @@
 namespace arbor {
 namespace mx = mlx::core;
 
-// (arrays, bits, group_size) of one weight matrix.
-using WeightArg = std::tuple<std::vector<mx::array>, int, int>;
+// (arrays, bits, group_size, int8_inputs) of one weight matrix; int8_inputs: its
+// products round their inputs to int8 first (4-bit weights, groups of 64 or 128).
+using WeightArg = std::tuple<std::vector<mx::array>, int, int, bool>;
 
 // x (B, N, H) float32 -> [q (B, heads, N, D), k (B, kv_heads, N, D), v (B, kv_heads, N, D)]:
 // rms_norm(x, norm_weight, eps) @ qkv.T (qkv: the q, k and v rows stacked), split by

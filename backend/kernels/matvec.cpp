@@ -83,8 +83,8 @@ class Matvec : public mx::UnaryPrimitive {
 
 class QuantizedMatvec : public mx::UnaryPrimitive {
  public:
-  QuantizedMatvec(mx::Stream s, int group_size, int bits)
-      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
+  QuantizedMatvec(mx::Stream s, int group_size, int bits, bool int8_inputs)
+      : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits), int8_inputs_(int8_inputs) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
@@ -99,15 +99,17 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
     const int64_t K = x.shape(-1);
     const int64_t M = N > 0 ? static_cast<int64_t>(out.size()) / N : 0;
     const int gs = group_size_, bits = bits_;
+    const bool int8_inputs = int8_inputs_;
     enc.dispatch([x = mx::array::unsafe_weak_copy(x),
                   wq = mx::array::unsafe_weak_copy(wq),
                   sc = mx::array::unsafe_weak_copy(scales),
                   bi = mx::array::unsafe_weak_copy(biases),
-                  out = mx::array::unsafe_weak_copy(out), M, K, N, gs, bits]() mutable {
+                  out = mx::array::unsafe_weak_copy(out), M, K, N, gs, bits,
+                  int8_inputs]() mutable {
       if (out.size() == 0) return;
       std::vector<char> xs;
       quantized_product(K > 0 ? x_rows(x, xs) : nullptr, M, K, wq, sc, bi, gs, bits,
-                        out.data<float>());
+                        out.data<float>(), int8_inputs);
     });
   }
 
@@ -118,7 +120,7 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
   const char* name() const override { return "ArborQuantizedMatvec"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantizedMatvec&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && int8_inputs_ == o.int8_inputs_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -130,6 +132,7 @@ class QuantizedMatvec : public mx::UnaryPrimitive {
  private:
   int group_size_;
   int bits_;
+  bool int8_inputs_;
 };
 
 class Dequantize : public mx::UnaryPrimitive {
@@ -203,7 +206,13 @@ mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = 
 
 mx::array matvec_q(
     const mx::array& x, const mx::array& wq, const mx::array& scales,
-    const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s = {}) {
+    const mx::array& biases, int group_size, int bits, bool int8_inputs = false,
+    mx::StreamOrDevice s = {}) {
+  if (int8_inputs && !int8_inputs_supported(bits, group_size)) {
+    throw std::invalid_argument(
+        "[arbor.matvec_q] int8 inputs need 4-bit weights in groups of 64 or 128, got bits=" +
+        std::to_string(bits) + ", group_size=" + std::to_string(group_size) + ".");
+  }
   if (bits != 4 && bits != 8) {
     throw std::invalid_argument(
         "[arbor.matvec_q] bits must be 4 or 8, got " + std::to_string(bits) + ".");
@@ -239,7 +248,7 @@ mx::array matvec_q(
   out_shape.back() = wq.shape(0);
   return mx::array(
       out_shape, mx::float32,
-      std::make_shared<QuantizedMatvec>(cpu_stream(s), group_size, bits),
+      std::make_shared<QuantizedMatvec>(cpu_stream(s), group_size, bits, int8_inputs),
       {x, wq, scales, biases});
 }
 
@@ -282,13 +291,15 @@ NB_MODULE(_arbor_kernels, m) {
         "-> (..., N) float32 (16-bit weights are widened exactly; float32 sums).");
   m.def("matvec_q",
         [](const mx::array& x, const mx::array& wq, const mx::array& scales,
-           const mx::array& biases, int group_size, int bits) {
-          return arbor::matvec_q(x, wq, scales, biases, group_size, bits);
+           const mx::array& biases, int group_size, int bits, bool int8_inputs) {
+          return arbor::matvec_q(x, wq, scales, biases, group_size, bits, int8_inputs);
         },
         nb::arg("x"), nb::arg("wq"), nb::arg("scales"), nb::arg("biases"),
-        nb::arg("group_size"), nb::arg("bits"),
+        nb::arg("group_size"), nb::arg("bits"), nb::arg("int8_inputs") = false,
         "Same as mx.quantized_matmul(x, wq, scales, biases, transpose=True, "
-        "group_size, bits) for float32 x, scales and biases; bits 4 or 8.");
+        "group_size, bits) for float32 x, scales and biases; bits 4 or 8. int8_inputs: "
+        "x rounded to int8 per block of 64 first (4-bit weights, groups of 64 or 128): "
+        "1.5x as fast (2x cache-resident), ~2% relative error; for draft models.");
   m.def("dequantize",
         [](const mx::array& wq, const mx::array& scales, const mx::array& biases, int group_size,
            int bits) { return arbor::dequantize(wq, scales, biases, group_size, bits); },
@@ -339,7 +350,7 @@ NB_MODULE(_arbor_kernels, m) {
         nb::arg("rope_scale"), nb::arg("inv_freqs"),
         "[q, k, v] (B, heads, N, D) of a pre-norm attention layer for float32 x (B, N, H): "
         "RMS norm, the stacked q/k/v product, RoPE of q and k at positions offset + t. A weight "
-        "is (arrays, bits, group_size).");
+        "is (arrays, bits, group_size, int8_inputs).");
   m.def("attention_mlp",
         [](const mx::array& q, const mx::array& keys, const mx::array& values, int64_t length,
            float scale, int64_t window, const mx::array& x, const mx::array& norm_weight,

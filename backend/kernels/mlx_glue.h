@@ -154,10 +154,16 @@ inline void dense_product(const float* x, int64_t M, int64_t K, const mx::array&
   matvec_dense(x, K, M, K, wp, wt, ldw, N, out);
 }
 
-// The same for w in MLX's affine quantized layout (uint32 wq, float32 scales / biases).
+// Whether the int8-input kernel takes weights of this kind (matvec_q4_int8_inputs).
+inline bool int8_inputs_supported(int bits, int group_size) {
+  return bits == 4 && (group_size == 64 || group_size == 128);
+}
+
+// The same for w in MLX's affine quantized layout (uint32 wq, float32 scales / biases);
+// int8_inputs: x rounded to int8 first (4-bit weights, group_size 64 or 128: callers check).
 inline void quantized_product(const float* x, int64_t M, int64_t K, const mx::array& wq,
                               const mx::array& sc, const mx::array& bi, int group_size, int bits,
-                              float* out) {
+                              float* out, bool int8_inputs = false) {
   const int64_t N = wq.shape(0);
   if (M == 0 || N == 0) return;
   std::vector<char> qs, ss, bs;
@@ -165,8 +171,11 @@ inline void quantized_product(const float* x, int64_t M, int64_t K, const mx::ar
   const void* qp = K > 0 ? rows_of(wq, ldq, qs) : nullptr;
   const float *sp = nullptr, *bp = nullptr;
   if (K > 0) scale_bias_rows(sc, bi, sp, bp, lds, ss, bs);
-  matvec_q(x, K, M, K, reinterpret_cast<const uint8_t*>(qp), ldq * 4, sp, bp, lds, group_size,
-           bits, N, out);
+  const auto* packed = reinterpret_cast<const uint8_t*>(qp);
+  if (int8_inputs)
+    matvec_q4_int8_inputs(x, K, M, K, packed, ldq * 4, sp, bp, lds, group_size, N, out);
+  else
+    matvec_q(x, K, M, K, packed, ldq * 4, sp, bp, lds, group_size, bits, N, out);
 }
 
 // A float32 operand of rank 3 or 4 with unit last stride, as a View3 over its

@@ -44,7 +44,7 @@ def kernel_weight(source) -> kernels.KernelWeight | None:
     if first.bits not in kernels.QUANTIZED_BITS or \
             first.group_size not in kernels.QUANTIZED_GROUP_SIZES:
         return None
-    return kernels.KernelWeight(arrays, first.bits, first.group_size)
+    return kernels.KernelWeight(arrays, first.bits, first.group_size, first.int8_inputs)
 
 
 def _plain_norm(norm) -> bool:
@@ -58,6 +58,17 @@ class FusedLayer:
                  gate_up: kernels.KernelWeight, down: kernels.KernelWeight):
         self.layer = layer
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        # What the kernels take besides the activations and the cache, looked up once: each
+        # module attribute is a walk through MLX's Module lookup, ~20 per layer and step.
+        # (Like the stacked projections, built once the weights are loaded.)
+        attn, rope = layer.self_attn, layer.self_attn.rope
+        norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        self._causal = attn.mask.kind == "causal"
+        self._inputs = (norm1.weight, norm1.eps, qkv, attn.num_heads, attn.num_kv_heads,
+                        attn.head_dim, rope.dims)
+        self._rope = (rope.scale, rope._inverse_frequencies())
+        self._attention = (attn.scale, attn.mask.window or 0)
+        self._rest = (norm2.weight, norm2.eps, o, gate_up, down)
 
     @classmethod
     def build(cls, layer) -> "FusedLayer | None":
@@ -77,18 +88,12 @@ class FusedLayer:
     def __call__(self, x: mx.array, cache: Cache) -> mx.array | None:
         """The layer's output, or None where the fused kernels do not apply (then run the
         separate ops)."""
+        if type(cache) is not KVCache or not self._causal or not cache.holds_float32():
+            return None
         offset = cache.offset
         if not isinstance(offset, int) or not kernels.fused_rows_apply(x):
             return None
-        layer = self.layer
-        attn, norm1, norm2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
-        if type(cache) is not KVCache or attn.mask.kind != "causal" or not cache.holds_float32():
-            return None
-        rope = attn.rope
-        q, k, v = kernels.attention_inputs(
-            x, norm1.weight, norm1.eps, self.qkv, attn.num_heads, attn.num_kv_heads,
-            attn.head_dim, rope.dims, offset, rope.scale, rope._inverse_frequencies())
+        q, k, v = kernels.attention_inputs(x, *self._inputs, offset, *self._rope)
         cache.append(k, v)  # the attention reads the buffers in place: no history views
-        return kernels.attention_mlp(q, cache.keys, cache.values, cache.offset, attn.scale,
-                                     attn.mask.window or 0, x, norm2.weight, norm2.eps, self.o,
-                                     self.gate_up, self.down)
+        return kernels.attention_mlp(q, cache.keys, cache.values, cache.offset,
+                                     *self._attention, x, *self._rest)

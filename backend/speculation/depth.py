@@ -129,14 +129,24 @@ class DepthController:
         return best
 
     def record(self, depth: int, accepted: int, seconds: float,
-               after_plain_step: bool = False) -> None:
+               after_plain_step: bool = False, after_round: bool = False) -> None:
         """A round of ``depth`` drafts kept ``accepted`` of them and took ``seconds``.
 
         ``after_plain_step``: the round followed a plain step, so it also waited for the
         forward that step queued (its row judges draft 1). A round after a verify round puts
         that row into its own block instead, nearly free; depths are priced as the latter (what
         a run of drafting rounds costs), so one plain step is taken off: otherwise the probes
-        made from plain decoding, always of the first kind, would overprice every depth."""
+        made from plain decoding, always of the first kind, would overprice every depth.
+
+        ``after_round``: a plain step right after a verify round. Nothing was queued ahead of
+        it, so it waited for its whole forward and the graph building before it, where a run
+        of plain steps overlaps each step's building with the one before (measured here: 30-37
+        ms against 26-28). Plain decoding is priced as such a run, so this step is not priced
+        at all: otherwise, with most plain steps taken between rounds, depth 0 looked ~20%
+        dearer than it is and the controller kept drafting where plain decoding was faster."""
+        if depth == 0 and after_round:
+            self.context = AFTER_MISS
+            return
         if after_plain_step and depth and 0 in self.cost:
             seconds = max(seconds - self.cost[0], 0.1 * seconds)
         old = self.cost.get(depth)
