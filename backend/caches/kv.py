@@ -219,8 +219,8 @@ class KVCache(LazyKVStorage):
         if self._lazy:
             self._protect_from(start)
         self._reserve(keys, values, start + n)
-        self.keys[..., start:start + n, :] = keys
-        self.values[..., start:start + n, :] = values
+        self.keys[:, :, start:start + n] = keys  # (B, H, L, D): cheaper to parse than [..., :]
+        self.values[:, :, start:start + n] = values
         self._offset = start + n
         self._capture_due(start, self._offset)
 

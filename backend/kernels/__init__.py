@@ -215,6 +215,7 @@ def int8_inputs_supported(bits: int, group_size: int) -> bool:
     """Whether ``quantized_linear(..., int8_inputs=True)`` applies to weights of this kind."""
     return bits == INT8_INPUT_BITS and group_size in INT8_INPUT_GROUP_SIZES
 
+
 _DENSE_W = None
 
 
@@ -397,7 +398,12 @@ class KernelWeight(NamedTuple):
 def fused_rows_apply(x: Any) -> bool:
     """Whether the fused layer blocks take ``x`` (B, N, H): float32 on the CPU with at most
     MAX_KERNEL_ROWS rows, where every product in them runs the matvec kernel."""
-    return x.ndim == 3 and _rows(x) <= MAX_KERNEL_ROWS and _f32_on_cpu(x)
+    import mlx.core as mx
+
+    if x.ndim != 3 or x.dtype != mx.float32:
+        return False
+    batch, rows, _ = x.shape
+    return batch * rows <= MAX_KERNEL_ROWS and available() and _on_cpu()
 
 
 def attention_inputs(x: Any, norm_weight: Any, eps: float, qkv: KernelWeight, heads: int,
