@@ -13,6 +13,7 @@ struct V {
   using R = __m512;
   static constexpr int W = 16;
   static constexpr int MT_F32 = 4;
+  static constexpr int U_F32 = 4;
   static constexpr int MT_Q = 2;
   static inline R zero() { return _mm512_setzero_ps(); }
   static inline R load(const float* p) { return _mm512_loadu_ps(p); }

@@ -7,6 +7,7 @@ struct V {
   using R = float;
   static constexpr int W = 1;
   static constexpr int MT_F32 = 4;
+  static constexpr int U_F32 = 4;
   static constexpr int MT_Q = 2;
   static inline R zero() { return 0.0f; }
   static inline R load(const float* p) { return *p; }

@@ -10,6 +10,7 @@
 //   using R;               vector register type
 //   W;                     float lanes per register
 //   MT_F32, MT_Q;          most x rows handled per tile (register budget)
+//   U_F32;                 accumulators per (weight row, x row) along K in dense tiles
 //   zero(), load(p), load_n(p, n) (first n lanes, rest 0), set1(f),
 //   fma(a, b, c) = a * b + c, sum(a) (horizontal add),
 //   wload(p), wload_n(p, n) for p a float*, bf16_t* or f16_t* (widened to float),
@@ -69,14 +70,14 @@ inline void dense_tile(
 }
 
 // All x rows against one weight row, in tiles of at most V::MT_F32 x rows, each
-// row with U = 4 accumulators along K. Every x row is reduced in the same order
+// row with U = V::U_F32 accumulators along K. Every x row is reduced in the same order
 // whatever M is and wherever it sits in its tile, so a product of M rows equals,
 // bit for bit, M one-row products: a verify block of draft tokens gives exactly
 // the logits of one-token decode steps (tests/test_kernels.py pins it).
 template <typename WT>
 inline void dense_rows_x(
     const float* x, int64_t ldx, int64_t M, int64_t K, const WT* w, float* out, int64_t ldo) {
-  constexpr int U = 4;
+  constexpr int U = V::U_F32;
   int64_t m = 0;
   for (; m + V::MT_F32 <= M; m += V::MT_F32)
     dense_tile<WT, 1, V::MT_F32, U>(x + m * ldx, ldx, K, w, 0, out + m * ldo, ldo);
