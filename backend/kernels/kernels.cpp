@@ -223,22 +223,37 @@ struct DenseJob {
   int64_t rows;  // per chunk
 };
 
+// Weight rows [n0, n1) of chunk c.
+struct RowRange {
+  int64_t n0, n1;
+};
+
+inline RowRange chunk_range(int64_t c, int64_t rows, int64_t N) {
+  return {c * rows, std::min(N, (c + 1) * rows)};
+}
+
 void dense_chunk(void* ctx, int64_t c) {
   auto* j = static_cast<DenseJob*>(ctx);
-  int64_t n0 = c * j->rows, n1 = std::min(j->N, n0 + j->rows);
+  const auto [n0, n1] = chunk_range(c, j->rows, j->N);
   j->rows_fn(j->x, j->ldx, j->M, j->K, j->w, j->ldw, j->out, j->N, n0, n1);
 }
 
-struct QJob {
-  const IsaKernels* isa;
-  const float* x;
-  int64_t ldx, M, K;
+// Weights in MLX's affine layout, as the quantized kernels walk them.
+struct PackedRows {
   const uint8_t* wq;
   int64_t ldq;
   const float* scales;
   const float* biases;
   int64_t ldsb;
-  int gs, bits;
+  int gs;
+};
+
+struct QJob {
+  const IsaKernels* isa;
+  const float* x;
+  int64_t ldx, M, K;
+  PackedRows w;
+  int bits;
   int64_t N;
   float* out;
   int64_t rows;  // per chunk
@@ -246,20 +261,16 @@ struct QJob {
 
 void q_chunk(void* ctx, int64_t c) {
   auto* j = static_cast<QJob*>(ctx);
-  int64_t n0 = c * j->rows, n1 = std::min(j->N, n0 + j->rows);
-  j->isa->q_rows(j->x, j->ldx, j->M, j->K, j->wq, j->ldq, j->scales, j->biases,
-                   j->ldsb, j->gs, j->bits, j->out, j->N, n0, n1);
+  const auto [n0, n1] = chunk_range(c, j->rows, j->N);
+  const PackedRows& w = j->w;
+  j->isa->q_rows(j->x, j->ldx, j->M, j->K, w.wq, w.ldq, w.scales, w.biases, w.ldsb, w.gs,
+                 j->bits, j->out, j->N, n0, n1);
 }
 
 struct Q4x8Job {
   const IsaKernels* isa;
   QuantizedInputs in;
-  const uint8_t* wq;
-  int64_t ldq;
-  const float* scales;
-  const float* biases;
-  int64_t ldsb;
-  int gs;
+  PackedRows w;
   int64_t N;
   float* out;
   int64_t rows;  // per chunk
@@ -267,9 +278,9 @@ struct Q4x8Job {
 
 void q4x8_chunk(void* ctx, int64_t c) {
   auto* j = static_cast<Q4x8Job*>(ctx);
-  int64_t n0 = c * j->rows, n1 = std::min(j->N, n0 + j->rows);
-  j->isa->q4x8_rows(j->in, j->wq, j->ldq, j->scales, j->biases, j->ldsb, j->gs, j->out, j->N,
-                    n0, n1);
+  const auto [n0, n1] = chunk_range(c, j->rows, j->N);
+  const PackedRows& w = j->w;
+  j->isa->q4x8_rows(j->in, w.wq, w.ldq, w.scales, w.biases, w.ldsb, w.gs, j->out, j->N, n0, n1);
 }
 
 }  // namespace
@@ -342,7 +353,7 @@ void matvec_q(
   // Unpacking costs more than streaming: count a packed row like its float32 size.
   int64_t row_cost = K * static_cast<int64_t>(sizeof(float)) * std::max<int64_t>(1, M / 2);
   int64_t rows = chunk_rows(row_cost, N);
-  QJob job{isa, x, ldx, M, K, wq, ldq, scales, biases, ldsb, group_size, bits, N, out, rows};
+  QJob job{isa, x, ldx, M, K, {wq, ldq, scales, biases, ldsb, group_size}, bits, N, out, rows};
   int64_t chunks = (N + rows - 1) / rows;
   Pool::get().run(chunks, threads_for(chunks), &q_chunk, &job);
 }
@@ -404,8 +415,8 @@ void matvec_q4_int8_inputs(
   // A packed row costs about its int8-input work: count it like a 16-bit row.
   int64_t row_cost = K * 2 * std::max<int64_t>(1, M / 2);
   int64_t rows = chunk_rows(row_cost, N);
-  Q4x8Job job{&best_isa(), {q.data(), scale.data(), group_sum.data(), M, K}, wq, ldq, scales,
-              biases, ldsb, group_size, N, out, rows};
+  Q4x8Job job{&best_isa(), {q.data(), scale.data(), group_sum.data(), M, K},
+              {wq, ldq, scales, biases, ldsb, group_size}, N, out, rows};
   int64_t chunks = (N + rows - 1) / rows;
   Pool::get().run(chunks, threads_for(chunks), &q4x8_chunk, &job);
 }
