@@ -257,9 +257,7 @@ Weight take_weight(const char* op, const char* what, const WeightArg& arg, int64
     fail(op, std::string(what) + ": bits must be 0 (dense), 4 or 8, got " +
                  std::to_string(bits) + ".");
   if (int8_inputs && !int8_inputs_supported(bits, group_size))
-    fail(op, std::string(what) + ": int8 inputs need 4-bit weights in groups of 64 or 128, got "
-                 "bits " + std::to_string(bits) + ", group_size " + std::to_string(group_size) +
-                 ".");
+    fail(op, std::string(what) + ": " + int8_inputs_refusal(bits, group_size));
   if (arrays.size() != weight_arrays(bits))
     fail(op, std::string(what) + ": expected " + (bits ? "wq, scales and biases" : "one array") +
                  ", got " + std::to_string(arrays.size()) + " arrays.");

@@ -209,9 +209,7 @@ mx::array matvec_q(
     const mx::array& biases, int group_size, int bits, bool int8_inputs = false,
     mx::StreamOrDevice s = {}) {
   if (int8_inputs && !int8_inputs_supported(bits, group_size)) {
-    throw std::invalid_argument(
-        "[arbor.matvec_q] int8 inputs need 4-bit weights in groups of 64 or 128, got bits=" +
-        std::to_string(bits) + ", group_size=" + std::to_string(group_size) + ".");
+    throw std::invalid_argument("[arbor.matvec_q] " + int8_inputs_refusal(bits, group_size));
   }
   if (bits != 4 && bits != 8) {
     throw std::invalid_argument(

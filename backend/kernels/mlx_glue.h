@@ -159,6 +159,12 @@ inline bool int8_inputs_supported(int bits, int group_size) {
   return bits == 4 && (group_size == 64 || group_size == 128);
 }
 
+// Why int8 inputs do not apply to weights of this kind (the primitives' shared message).
+inline std::string int8_inputs_refusal(int bits, int group_size) {
+  return "int8 inputs need 4-bit weights in groups of 64 or 128, got bits=" +
+         std::to_string(bits) + ", group_size=" + std::to_string(group_size) + ".";
+}
+
 // The same for w in MLX's affine quantized layout (uint32 wq, float32 scales / biases);
 // int8_inputs: x rounded to int8 first (4-bit weights, group_size 64 or 128: callers check).
 inline void quantized_product(const float* x, int64_t M, int64_t K, const mx::array& wq,
