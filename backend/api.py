@@ -85,7 +85,9 @@ class DoneEvent:
     mean_accepted: float = 0.0  # accepted drafts per verify round
     draft_rounds: int = 0  # verify rounds (plain decoding steps not counted)
     # Where the cached prompt tokens came from: "live" (already in the live caches), "device",
-    # "host", "disk" (the prefix cache's tiers); and how long restoring them took.
+    # "host", "disk" (the prefix cache's tiers; a state a prefetch brought to the device counts
+    # as the tier the prefetch read it from); the values sum to ``cached_tokens``. And how long
+    # restoring them took.
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     restore_s: float = 0.0
 
@@ -110,7 +112,13 @@ class CacheStats:
     nodes: int
     live_tokens: int  # token ids the live caches hold
     live_hits: int  # prompt tokens reused from the live caches without any restore
-    disk_read_only: bool = False  # another process holds the disk tier's writer lock
+    disk_read_only: bool = False  # the disk tier serves reads but stores nothing new
+    # The disk tier's state: "on" (reads and writes), "read-only" (another process holds its
+    # writer lock, or writes failed: a full disk, a read-only mount; retried with back-off),
+    # "off" (unusable: no directory configured, or it cannot be opened at all); and one line
+    # saying why it is not "on" ("" when it is).
+    disk_mode: Literal["on", "read-only", "off"] = "on"
+    disk_note: str = ""
 
 
 @dataclass(frozen=True)
