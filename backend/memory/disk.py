@@ -176,6 +176,7 @@ class DiskStore:
         self._backoff = retry.first_s
         self._pending_deletes: set[str] = set()
         self._pending_clear = False
+        self._recovering = False
         self._start()
 
     @property
@@ -243,7 +244,9 @@ class DiskStore:
         """The index read-only (another writer, or this process cannot write): reads still
         serve. A WAL index on a read-only mount opens only as immutable."""
         try:
-            exists = self.index.exists()
+            exists = self.index.stat().st_size > 0  # an empty file: a store never written
+        except FileNotFoundError:
+            exists = False
         except OSError:
             exists = True  # let the connection say what is wrong
         if not exists:
@@ -265,6 +268,8 @@ class DiskStore:
                     self.mode = "read-only"
                 return
             except DISK_FAULTS as exc:
+                if "no such table" in str(exc):
+                    return  # an index never written: nothing to read, nothing wrong
                 last = exc
         self._log_once("unreadable", f"prefix cache: the index {self.index} cannot be read "
                                      f"({_describe(last)}); the disk tier serves nothing")
@@ -346,6 +351,7 @@ class DiskStore:
             try:
                 self._db.executemany("UPDATE nodes SET last_used = ? WHERE id = ?", stamps)
                 self._db.commit()
+                self._succeeded()
             except DISK_FAULTS as exc:
                 self._fail(exc, "stamping recency")
 
@@ -388,6 +394,7 @@ class DiskStore:
             self._fail(exc, f"writing {final.name}")
             self._discard(final if placed else tmp)
             return None
+        self._succeeded()
         return entry
 
     def read(self, entry: DiskEntry, layers: int) -> LayerRecords | None:
@@ -434,6 +441,7 @@ class DiskStore:
             self._db.commit()
             self.io.unlink(self.path(node_id))
             self._pending_deletes.discard(node_id)
+            self._succeeded()
         except DISK_FAULTS as exc:
             self._pending_deletes.add(node_id)
             self._fail(exc, "deleting a stored node")
@@ -451,6 +459,7 @@ class DiskStore:
                 self.io.unlink(path)
             self._pending_clear = False
             self._pending_deletes.clear()
+            self._succeeded()
         except DISK_FAULTS as exc:
             self._fail(exc, "clearing the disk tier")
 
@@ -473,15 +482,21 @@ class DiskStore:
         self._close_db()
         if not self._become_writer():
             return False
-        log.warning("prefix cache: the disk tier at %s stores states again", self.dir)
-        self._logged.clear()
-        self._backoff = self._retry.first_s
+        self._recovering = True  # declared recovered once a write goes through (_succeeded)
         if self._pending_clear:
             self.clear()
         for node_id in sorted(self._pending_deletes):
             if self.mode == "on":
                 self.delete(node_id)
         return self.mode == "on"
+
+    def _succeeded(self) -> None:
+        """A write went through: a tier that was retrying is back for good."""
+        if self._recovering:
+            self._recovering = False
+            self._logged.clear()
+            self._backoff = self._retry.first_s
+            log.warning("prefix cache: the disk tier at %s stores states again", self.dir)
 
     def _write_sql(self, statements: list[tuple[str, tuple]], what: str) -> None:
         if not self._writable():
@@ -490,6 +505,7 @@ class DiskStore:
             for sql, params in statements:
                 self._db.execute(sql, params)
             self._db.commit()
+            self._succeeded()
         except DISK_FAULTS as exc:
             self._fail(exc, what)
 

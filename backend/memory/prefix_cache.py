@@ -431,11 +431,12 @@ class PrefixCache:
         The pinned position (the last live token) always lies before ``at``, so a lock on
         ``node`` moves to the upper part."""
         readable = self._load_device(node) is not None
-        if readable:  # span snapshots are cut in two; a state belongs to the lower part's end
-            parts = [(None, None) if snap is None
-                     else self.caches[j].split(snap, at) if self.kinds[j] == "span"
-                     else (None, snap) for j, snap in enumerate(node.data.device)]
-        upper = self.trie.split(node, at)
+        parts = self._split_snapshots(node, at) if readable else []
+        try:
+            upper = self.trie.split(node, at)
+        except BaseException:
+            close_all(p for pair in parts for p in pair)
+            raise
         if self._locked is node:
             self._relock(upper)
         if not readable:
@@ -450,6 +451,24 @@ class PrefixCache:
         self._new_data(upper, [a for a, _ in parts])
         self._unpersisted.append(node)
         return upper
+
+    def _split_snapshots(self, node: TrieNode, at: int) -> list[tuple]:
+        """The node's device snapshots cut at ``at``: span snapshots in two, a state goes with
+        the lower part's end. They leave the node first (a split consumes its snapshot), so a
+        fault half way never leaves the node holding one that is gone."""
+        snaps = node.data.device
+        self.tiers.drop_device(node)
+        parts: list[tuple] = []
+        try:
+            for j, snap in enumerate(snaps):
+                parts.append((None, None) if snap is None
+                             else self.caches[j].split(snap, at) if self.kinds[j] == "span"
+                             else (None, snap))
+        except BaseException:
+            close_all(p for pair in parts for p in pair)
+            close_all(snaps[len(parts) + 1:])  # never handed to a split
+            raise
+        return parts
 
     def _new_data(self, node: TrieNode, snaps: list) -> None:
         node.data = NodeData([s is not None for s in snaps])
@@ -584,8 +603,9 @@ class PrefixCache:
         elif not (data.on_host or data.on_disk):
             self._write_disk(node)
         if data.on_host or data.on_disk:
-            close_all(data.device)
+            snaps = data.device
             self.tiers.drop_device(node)
+            close_all(snaps)
             return True
         return self._shed(node)
 
@@ -821,6 +841,8 @@ class PrefixCache:
                       "on without it", operation.strip("_"), exc, exc_info=exc)
         request = self._request
         writing = request is not None and operation == "_attach_captures"
+        # A fault while restoring or ending a request leaves the live caches in doubt.
+        in_doubt = operation in ("_begin", "_commit", "abort") or request is not None
         for cache in self.caches:
             try:
                 close_all(cache.take_snapshots())
@@ -835,7 +857,7 @@ class PrefixCache:
             self._repair_trie()
             if writing:
                 self._relock_restored(request)
-            elif request is not None or not self._trie_holds(self.live):
+            elif in_doubt or not self._trie_holds(self.live):
                 self._drop_live_caches()
             self._enforce_budgets()
         except Exception as again:  # the trie itself is beyond repair: start it afresh

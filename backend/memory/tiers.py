@@ -147,8 +147,9 @@ class TierLedger:
         if data is None:
             return
         if data.on_device:
-            close_all(data.device)
-            self.drop_device(node)
+            snaps = data.device
+            self.drop_device(node)  # first: a fault while closing leaves no node holding them
+            close_all(snaps)
         self.drop_host(node)
         self.drop_disk(node)
 
