@@ -40,6 +40,7 @@ BUDGETS = CacheBudgets(device_bytes=60 * fake_caches.KV_BYTES_PER_TOKEN * 4, hos
                        disk_bytes=1 << 30)
 HOST_TOO = CacheBudgets(0, 1 << 30, 1 << 30)
 SMALL_DISK = CacheBudgets(0, 0, 3000)
+pytestmark = pytest.mark.cache_faults
 NO_WAIT = RetryPolicy(first_s=0.0, most_s=0.0)  # a degraded disk tier retries at every write
 
 

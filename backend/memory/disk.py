@@ -177,6 +177,7 @@ class DiskStore:
         self._pending_deletes: set[str] = set()
         self._pending_clear = False
         self._recovering = False
+        self._moved_aside = False  # a corrupt index was replaced by a fresh one
         self._start()
 
     @property
@@ -313,7 +314,7 @@ class DiskStore:
         message = (f"the index was corrupt ({_describe(exc)}); moved aside to {aside.name}, "
                    f"started afresh")
         self._log_once("corrupt", f"prefix cache: {message}")
-        self.note = message
+        self._moved_aside = True
         return True
 
     def _tidy(self) -> None:
@@ -321,18 +322,22 @@ class DiskStore:
         file (their states recompute)."""
         try:
             known = {row.node_id for row in self._rows}
-            present = set()
+            present, strays = set(), 0
             for path in self.io.listdir(self.files):
                 if path.suffix == ".safetensors" and path.stem in known:
                     present.add(path.stem)
                 else:
+                    strays += path.suffix == ".safetensors"  # temporaries are routine
                     self.io.unlink(path)
             missing = known - present
             if missing:
                 self._rows = [row for row in self._rows if row.node_id in present]
                 for node_id in missing:
                     self.delete(node_id)
-                log.info("prefix cache: %d index rows had no file; dropped", len(missing))
+            if missing or (strays and not self._moved_aside):  # that line said it already
+                log.warning("prefix cache: %d stored states had no file and %d files no index "
+                            "row at %s; both dropped (they recompute)", len(missing), strays,
+                            self.dir)
         except DISK_FAULTS as exc:
             self._fail(exc, "cleaning up at start-up")
 
@@ -473,6 +478,16 @@ class DiskStore:
             self._lock_file = None
 
     # -- the fault boundary ----------------------------------------------------------------------
+    def writable(self) -> bool:
+        """Can a write go through now? (Past its back-off, a degraded tier tries again here.)"""
+        return self._writable()
+
+    @property
+    def retrying(self) -> bool:
+        """Degraded by a fault of the disk, and trying again from time to time (not the read-only
+        second process, which never writes)."""
+        return self.mode != "on" and not self._other_writer
+
     def _writable(self) -> bool:
         """True when a write may go ahead now; past a back-off, a degraded tier tries again."""
         if self.mode == "on":

@@ -480,8 +480,9 @@ class PrefixCache:
         snaps = {j: s for j, s in snaps.items() if s is not None}
         if not snaps:
             return
-        if self._load_device(node) is None:
+        if self._load_device(node) is None:  # its only copy was unreadable: forget it
             close_all(snaps.values())
+            self._forget_unreadable(node)
             return
         device = list(node.data.device)
         for j, snap in snaps.items():
@@ -493,7 +494,13 @@ class PrefixCache:
 
     def _forget_unreadable(self, node: TrieNode) -> None:
         """A node's data could not be read: forget it and everything below it (what the live
-        caches hold stays valid: they are the truth for ``self.live``)."""
+        caches hold stays valid: they are the truth for ``self.live``). A running request's
+        lock inside it goes too: what it pinned is gone."""
+        locked = self._locked
+        while locked is not None and locked is not node:
+            locked = locked.parent
+        if locked is node:
+            self._relock(None)
         self._forget_subtree(node)
 
     def _forget_subtree(self, node: TrieNode) -> None:
@@ -550,6 +557,10 @@ class PrefixCache:
     def _write_disk(self, node: TrieNode) -> bool:
         if self.disk is None or node.data.on_disk or self.budgets.disk_bytes <= 0:
             return node.data.on_disk
+        if not self.disk.writable():
+            if self.disk.retrying:
+                self._unpersisted.append(node)  # written once the disk takes writes again
+            return False
         records = self._records(node)
         if records is None:
             return False
@@ -558,6 +569,8 @@ class PrefixCache:
         entry = self.disk.write(node.data.id, parent_id, node.start, node.tokens.tolist(),
                                 records, node.last_used)
         if entry is None:
+            if self.disk.retrying:
+                self._unpersisted.append(node)
             return False
         self.tiers.set_disk(node, entry)
         for child in node.children.values():  # children stored before a split name the old id
