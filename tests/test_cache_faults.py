@@ -291,3 +291,45 @@ def _instrumented_driver(layout: str, root: Path, plan: FaultPlan, after: bool) 
     plan.enabled = True
     return driver
 
+
+
+# -- the real engine: a fault inside a real cache's step --------------------------------------
+REAL_STEPS = ["split", "import_snapshot", "export_snapshot", "restore", "take_snapshots"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "qwen3_next"])
+def test_a_fault_in_a_real_cache_costs_a_recompute_not_the_reply(kind, tiny_model_dir, tmp_path):
+    """Every step above, faulted at each of its calls in turn on the model's own caches: each
+    reply equals the reply of an engine that stores nothing, and the cache stays consistent."""
+    from backend.api import DoneEvent, GenerateRequest
+    from backend.engine import Engine
+    from backend.memory.budgets import CacheConfig
+
+    folder = tiny_model_dir(kind)
+    budgets = CacheBudgets(device_bytes=6 * 1024, host_bytes=6 * 1024, disk_bytes=1 << 30)
+
+    def reply(engine, prompt):
+        request = GenerateRequest(prompt_ids=prompt, max_tokens=4, ignore_eos=True)
+        return next(e for e in engine.generate(request) if isinstance(e, DoneEvent)).token_ids
+
+    cold = Engine.load(str(folder), cache=CacheConfig(CacheBudgets(0, 0, 0), None),
+                       prefill_chunk=16)
+    system = list(range(3, 40))
+    prompts = [system + [50, 51], system + [60, 61, 62], system + [50, 51, 70]]
+    expected = [reply(cold, p) for p in prompts]
+    fired = {}
+    for step in REAL_STEPS:
+        for n in (1, 2, 3):
+            plan = FaultPlan(lambda site: InjectedFault(site))
+            engine = Engine.load(str(folder), cache=CacheConfig(budgets, tmp_path / f"{step}{n}"),
+                                 prefill_chunk=16)
+            for cache in engine.caches:
+                wrap_methods(cache, [step], plan, "cache.")
+            plan.arm(f"cache.{step}", n)
+            for prompt, want in zip(prompts + prompts, expected + expected):
+                assert reply(engine, prompt) == want, (step, n)
+                engine.prefix.check_invariants()
+            assert engine.prefix.faults == plan.fired <= 1
+            fired[step] = fired.get(step, 0) + plan.fired
+            engine.close()
+    assert all(fired[step] for step in REAL_STEPS if step != "split"), fired
