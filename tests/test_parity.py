@@ -12,7 +12,7 @@ import pytest
 
 import mlx.core as mx
 
-from backend.models.loading import load_model
+from backend.weights.loading import load_model
 from tests.fixtures.byte_tokenizer import VOCAB_SIZE
 from tests.fixtures.tiny_models import TINY_CONFIGS
 
