@@ -225,7 +225,7 @@ class _Runner:
 
 
 def _arbor_runner(folder: Path) -> _Runner:
-    from backend.models.loading import load_model
+    from backend.weights.loading import load_model
 
     model = load_model(folder, dtype="float32").model
     return _Runner(model.hidden, model.logits, model.make_caches,

@@ -362,7 +362,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from backend.models.store import ModelStore
+    from backend.weights.store import ModelStore
 
     store = ModelStore()
     if args.models_command == "list":
@@ -405,8 +405,8 @@ BENCH_SUITES = ("speed", "cache", "spec")
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from backend import bench
-    from backend.models.store import ModelStore
     from backend.paths import cache_dir
+    from backend.weights.store import ModelStore
 
     source = ModelStore().resolve(args.model)
     work = cache_dir() / "bench"

@@ -12,7 +12,7 @@ import pytest
 
 import mlx.core as mx
 
-from backend.models.loading import load_model
+from backend.weights.loading import load_model
 from tests.fixtures.references import mlx_lm_logits, random_tokens, transformers_logits
 from tests.fixtures.tiny_models import TINY_CONFIGS, transformers_reads
 

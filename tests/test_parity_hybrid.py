@@ -28,8 +28,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from backend.caches import attention
-from backend.models.loading import load_model
 from backend.models.moe import QuantizedSwitchLinear
+from backend.weights.loading import load_model
 from tests.fixtures.byte_tokenizer import VOCAB_SIZE
 from tests.fixtures.references import (
     chunked_logits,

@@ -32,7 +32,7 @@ from backend.engine import Engine
 from backend.errors import ConfigError
 from backend.memory.budgets import CacheConfig
 from backend.models import qwen3_5
-from backend.models.loading import load_model
+from backend.weights.loading import load_model
 from tests.fixtures.references import (
     chunked_logits,
     give_slow_gates,

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from backend.models.loading import load_model
+from backend.weights.loading import load_model
 
 CASES = ["llama", "qwen3", "mistral-window", "gemma3", "qwen3_next", "qwen3_moe", "qwen3_5",
          "qwen3_5_moe", "qwen3_5-4bit", "qwen3_5_moe-4bit"]

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from backend.models.loading import load_model
+from backend.weights.loading import load_model
 from tests.fixtures.byte_tokenizer import VOCAB_SIZE
 from tests.fixtures.tiny_models import write_tiny_model
 from tests.test_parity import (

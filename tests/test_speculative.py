@@ -25,10 +25,10 @@ from backend.caches.recurrent import RecurrentCache
 from backend.caches.rotating import RotatingKVCache
 from backend.engine import Engine
 from backend.memory.budgets import CacheConfig
-from backend.models.loading import load_model
 from backend.speculation.depth import DepthController
 from backend.speculation.drafters import PromptLookupDrafter, lookup
 from backend.speculation.rollback import SpeculativeWrite
+from backend.weights.loading import load_model
 from tests.fixtures.tiny_models import write_tiny_model
 
 KINDS = ("llama", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe")
@@ -182,7 +182,7 @@ def test_a_4_bit_draft_drafts_with_int8_inputs_and_changes_nothing(tiny_model_di
     """A 4-bit draft model's products round their inputs to int8 (faster, approximate): its
     drafts differ a little from exact products', the replies not at all."""
     from backend.models.cpu_linear import KernelQuantizedLinear
-    from backend.models.store import import_hf_folder
+    from backend.weights.store import import_hf_folder
 
     folder = tiny_model_dir("llama")
     draft = import_hf_folder(folder, tmp_path / "q4", quantize=4)

@@ -10,7 +10,7 @@ float16). On the CPU, quantized weights are dequantized to float32 at load time 
 fits comfortably in memory (``ARBOR_DEQUANTIZE_LIMIT`` bytes, default 8 GiB), because that is
 the fastest path through MLX's own CPU ops; otherwise they stay quantized with float32 scales.
 When Arbor's native CPU kernels are built (``backend.kernels``), linear layers use them for
-decode instead (``cpu_linear.py``) and quantized weights stay quantized.
+decode instead (``models/cpu_setup.py``) and quantized weights stay quantized.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from backend import kernels
 from backend.errors import CheckpointError, ConfigError, ModelLoadError
 from backend.models import architecture_args
 from backend.models.base import LanguageModel
-from backend.models.cpu_linear import use_cpu_kernels
-from backend.models.files import check_safetensors, read_config, weight_files
+from backend.models.cpu_setup import use_cpu_kernels
 from backend.models.moe import SwitchLinear
-from backend.models.quantize import QuantSpec, read_quantization, spec_for
+from backend.weights.files import check_safetensors, read_config, weight_files
+from backend.weights.quantize import QuantSpec, read_quantization, spec_for
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
