@@ -6,7 +6,7 @@
     arbor generate ...          one generation; --json prints one machine-readable object
     arbor models list | import PATH [--name N] [--quantize 4|8] [--draft D [--quantize-draft 4|8]]
                 | rm NAME | unpair NAME
-    arbor bench [--model M] [--against mlx-lm] [--formats float32,bfloat16,4bit] [--hybrid]
+    arbor bench [--model M] [--against mlx-lm] [--formats float32,bfloat16,4bit] [--hybrid [F,..]]
 
 Every user-caused problem (bad file, unknown architecture, prompt too long, bad arguments) is
 printed as one line ``arbor: error: ...`` with exit status 2, never a traceback.
@@ -21,7 +21,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from desktop.version import app_version
 
@@ -188,8 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-tokens", type=int, default=512)
     bench.add_argument("--new-tokens", type=int,
                        help="tokens per reply (default: speed 128, cache 48, spec 128)")
-    bench.add_argument("--hybrid", action="store_true",
-                       help="also benchmark a hybrid recurrent model's prefill")
+    bench.add_argument("--hybrid", nargs="?", const="qwen3_next", metavar="FAMILIES",
+                       help="also benchmark random hybrid recurrent checkpoints against mlx-lm: "
+                       "comma-separated families among qwen3_next (alone, the default), "
+                       "qwen3_5, qwen3_5_moe, or all")
     trace = bench.add_argument_group("bench cache")
     trace.add_argument("--conversations", type=int, default=40)
     trace.add_argument("--turns", type=int, default=6)
@@ -420,6 +422,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(bench_spec.format_table(rows, new_tokens))
         return 0
     args.new_tokens = args.new_tokens or 128
+    hybrid = []
+    if args.hybrid:
+        from backend import bench_hybrid
+
+        hybrid = _hybrid_families(args.hybrid, bench_hybrid.FAMILIES)  # refused before any run
     formats = tuple(f for f in args.formats.split(",") if f)
     unknown = [f for f in formats if f not in bench.FORMATS]
     if unknown:
@@ -430,10 +437,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      log=lambda m: print(m, file=sys.stderr))
     print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy")
     print(bench.format_table(rows, bench.memory_bandwidth_gbs()))
-    if args.hybrid:
-        from backend import bench_hybrid
-        print(bench_hybrid.format_table(bench_hybrid.run_hybrid_bench()))
+    for family in hybrid:
+        rows = bench_hybrid.run_hybrid_bench(family=family)
+        print(bench_hybrid.describe(family))
+        print(bench_hybrid.format_table(rows))
     return 0
+
+
+def _hybrid_families(value: str, known: Iterable[str]) -> list[str]:
+    """``--hybrid``'s families (comma-separated, or ``all``); unknown names are refused."""
+    families = list(known) if value == "all" else [f for f in value.split(",") if f]
+    unknown = [f for f in families if f not in known]
+    if unknown or not families:
+        from backend.errors import InvalidRequestError
+        raise InvalidRequestError(f"unknown hybrid families {unknown or [value]} (choose from "
+                                  f"{', '.join(known)}, or all)")
+    return families
 
 
 def _bench_cache(args: argparse.Namespace, source: Path, work: Path) -> int:

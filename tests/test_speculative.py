@@ -1,7 +1,7 @@
 """Speculative decoding never changes the answer.
 
 * Greedy identity: for full attention, a sliding window crossed inside verify blocks, and hybrid
-  recurrent tiny models, with every drafter (prompt lookup, a draft model that agrees, one that
+  recurrent tiny models (Qwen3-Next, Qwen3.5 dense and MoE), with every drafter (prompt lookup, a draft model that agrees, one that
   does not) and every draft length 1..8, speculative greedy output is plain greedy output token
   for token (and logprob for logprob), also for a prompt resumed from the prefix cache.
 * Rollback: after rejected rounds every cache holds exactly the committed tokens (the next step
@@ -31,7 +31,7 @@ from backend.speculation.rollback import SpeculativeWrite
 from backend.weights.loading import load_model
 from tests.fixtures.tiny_models import write_tiny_model
 
-KINDS = ("llama", "gemma3", "qwen3_next")
+KINDS = ("llama", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 def reply(engine: Engine, prompt, n=24, draft="auto", sampling=None):
@@ -227,7 +227,8 @@ def _cache(kind):
             "recurrent": RecurrentCache}[kind]()
 
 
-@pytest.mark.parametrize("case", ["llama", "gemma3", "qwen3_next"])
+@pytest.mark.parametrize("case", ["llama", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe",
+                                  "qwen3_5-4bit", "qwen3_5_moe-4bit"])
 def test_rejected_rounds_leave_exactly_the_committed_tokens(case, tiny_model_dir):
     """Many verify rounds with random acceptance, then one step: equal (bitwise) to a fresh
     prefill of exactly the committed ids, for every cache kind the model uses."""
