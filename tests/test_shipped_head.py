@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from backend.weights.loading import load_model
-from tests.fixtures.byte_tokenizer import VOCAB_SIZE
 from tests.fixtures.tiny_models import write_tiny_model
 from tests.fixtures.references import mlx_lm_logits, random_tokens, transformers_logits
 from tests.test_parity import SEQ_LEN, TOLERANCE, _arbor_full, _arbor_incremental
