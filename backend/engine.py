@@ -126,7 +126,9 @@ class Engine:
         self.lanes = [Lane(self.target_caches, first, self.prefix.slots[0])]
         self.scheduler = Scheduler(self.lanes, self._new_lane, max_batch, self.model.hidden,
                                    self.model.logits, self.prefix.choose_slot)
-        self._lock = threading.RLock()  # one thread at a time runs the model and the cache
+        self._lock = threading.RLock()  # guards the scheduler and the prefix cache
+        # MLX's streams belong to a thread: the first thread that steps runs every step.
+        self._owner: threading.Thread | None = None
 
     def _new_drafter(self) -> Drafter | None:
         if self._drafter_kind == "model":
@@ -280,10 +282,20 @@ class Engine:
         """One scheduler step over every running request (see ``backend/scheduler.py``);
         whether work is left. When nothing runs any more, new states go to disk."""
         with self._lock:
+            self._check_owner()
             busy = self.scheduler.step()
             if not busy:
                 self.prefix.persist()
             return busy
+
+    def _check_owner(self) -> None:
+        thread = threading.current_thread()
+        if self._owner is None or not self._owner.is_alive():
+            self._owner = thread
+        elif self._owner is not thread:
+            raise InvalidRequestError(
+                f"the engine runs on thread {self._owner.name!r}: submit requests from any "
+                f"thread, but step (and generate) on that one")
 
     def stop(self, stream: Stream) -> None:
         """The caller of ``stream`` left: its request ends now (what its caches hold is kept)."""
@@ -294,6 +306,8 @@ class Engine:
                  cancel: threading.Event | None = None) -> Iterator[Event]:
         """One request's events: ``TokenEvent``s then one ``DoneEvent``. The caller's thread
         runs the steps (other requests submitted meanwhile advance with them)."""
+        with self._lock:
+            self._check_owner()
         stream = self.submit(request, cancel)
         try:
             while True:

@@ -64,9 +64,12 @@ class Sequence:
             resume = prefix.begin(self.prompt, lane.slot)
             self.held.extend(self.prompt[:resume.cached])
             yield from self._run(resume)
-        except GeneratorExit:  # stopped early: the caches hold exactly ``held``
+        except GeneratorExit:  # stopped early: keep what the caches hold, if it is ``held``
             if lane.slot.running:
-                self._commit()
+                if all(c.offset == len(self.held) for c in lane.target_caches):
+                    self._commit()
+                else:  # stopped with a forward built but not yet taken: its writes are extra
+                    prefix.abort(lane.slot)
             raise
         except BaseException:
             if lane.slot.running:
