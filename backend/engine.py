@@ -288,6 +288,11 @@ class Engine:
                 self.prefix.persist()
             return busy
 
+    def activity(self) -> tuple[int, int, int]:
+        """(generating, of them still prefilling, waiting for a place in the batch)."""
+        with self._lock:
+            return self.scheduler.counts()
+
     def _check_owner(self) -> None:
         thread = threading.current_thread()
         if self._owner is None or not self._owner.is_alive():

@@ -56,13 +56,25 @@ def _draft_args(p: argparse.ArgumentParser) -> None:
                        help="draft exactly N tokens per round (default: chosen each round)")
 
 
-def _engine(args: argparse.Namespace, cache=None):
+def _engine(args: argparse.Namespace, cache=None, max_batch: int = 1):
     """The engine the model, dtype, cache and draft flags ask for."""
     from backend.engine import Engine
 
     speculation = "none" if args.no_draft else "lookup" if args.draft_lookup else "auto"
     return Engine.load(args.model, args.dtype, cache=cache, draft=args.draft,
-                       speculation=speculation, draft_depth=args.draft_depth)
+                       speculation=speculation, draft_depth=args.draft_depth,
+                       max_batch=max_batch)
+
+
+# Requests `arbor serve` runs together: up to 16 rows per batched step (the kernels' exact
+# limit), so 8 single-row decodes leave room for a few draft rows.
+DEFAULT_MAX_BATCH = 8
+
+
+def _positive(text: str) -> int:
+    if not (text.isdigit() and int(text) >= 1):
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
 
 
 def _mib(text: str) -> int:
@@ -148,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("ARBOR_API_KEY") or None,
                        metavar="KEY", help="require 'Authorization: Bearer KEY' on every "
                        "request (default: $ARBOR_API_KEY)")
+    serve.add_argument("--max-batch", type=_positive, default=DEFAULT_MAX_BATCH, metavar="N",
+                       help=f"most requests generating at once, in one batched step each; "
+                       f"the rest wait in arrival order (default: {DEFAULT_MAX_BATCH})")
     _cache_args(serve)
 
     gen = sub.add_parser("generate", help="generate once and exit")
@@ -337,7 +352,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def load():
         engine_started.set()
-        return _engine(args, cache=cache)
+        return _engine(args, cache=cache, max_batch=args.max_batch)
 
     code = 1  # a bug: its traceback is printed
     try:
