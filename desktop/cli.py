@@ -4,7 +4,7 @@
     arbor chat [--model M]      terminal chat with history
     arbor serve [--model M] [--host H] [--port P] [--api-key K]   OpenAI-compatible server
     arbor generate ...          one generation; --json prints one machine-readable object
-    arbor models list | import PATH [--name N] [--quantize 4|8] [--draft D [--quantize-draft 4|8]]
+    arbor models list [--verbose] | import PATH [--name N] [--quantize 4|8] [--draft D [--quantize-draft 4|8]]
                 | rm NAME | unpair NAME
     arbor bench [--model M] [--against mlx-lm] [--formats float32,bfloat16,4bit] [--hybrid [F,..]]
 
@@ -162,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="the local model store")
     msub = models.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
-    msub.add_parser("list")
+    listing = msub.add_parser("list")
+    listing.add_argument("--verbose", "-v", action="store_true", help="also each model's cache "
+                         "bytes per token, from the caches it makes (float32 on the CPU)")
     imp = msub.add_parser("import")
     imp.add_argument("path", type=Path)
     imp.add_argument("--name")
@@ -373,6 +375,8 @@ def cmd_models(args: argparse.Namespace) -> int:
                 "" if m.draft in names else " (missing)")
             print(f"{m.name:40} {m.architecture:12} {m.quantization or 'float':12} "
                   f"{m.size_bytes / 1e6:9.1f} MB{draft}")
+            if args.verbose:
+                print(f"    cache: {_cache_footprint(m.path)}")
     elif args.models_command == "import":
         # A progress line only on a terminal, ended before any error: piped stderr gets
         # nothing but the one-line error.
@@ -398,6 +402,20 @@ def cmd_models(args: argparse.Namespace) -> int:
         store.unpair(args.name)
         print(f"{args.name} has no paired draft now")
     return 0
+
+
+def _cache_footprint(folder: Path) -> str:
+    """What the model in ``folder`` keeps in its caches per token, or why that is unknown."""
+    from backend.errors import ArborError
+    from backend.models.footprint import cache_footprint
+    from backend.weights.files import read_config
+    from backend.weights.loading import default_dtype
+
+    try:
+        config = read_config(folder)
+        return cache_footprint(config, default_dtype(config), folder / "config.json").describe()
+    except ArborError as exc:
+        return f"unknown ({exc})"
 
 
 BENCH_SUITES = ("speed", "cache", "spec")
