@@ -191,9 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int,
                        help="tokens per reply (default: speed 128, cache 48, spec 128)")
     bench.add_argument("--hybrid", nargs="?", const="qwen3_next", metavar="FAMILIES",
-                       help="also benchmark random hybrid recurrent checkpoints against mlx-lm: "
-                       "comma-separated families among qwen3_next (alone, the default), "
-                       "qwen3_5, qwen3_5_moe, or all")
+                       help="also benchmark random checkpoints of newer families against "
+                       "mlx-lm: comma-separated families among qwen3_next (alone, the "
+                       "default), qwen3_5, qwen3_5_moe, gemma4, gemma4_moe, or all")
     trace = bench.add_argument_group("bench cache")
     trace.add_argument("--conversations", type=int, default=40)
     trace.add_argument("--turns", type=int, default=6)
