@@ -3,7 +3,7 @@ it makes, and ``arbor models list --verbose`` printing them.
 
 * For every ``TINY_CONFIGS`` row the lazy figures equal what real caches hold after 40 decoded
   tokens (exported bytes of full-attention caches, live windows, recurrent states).
-* Nothing is evaluated: a Gemma 4 config with ~2.5 G parameters costs no memory.
+* Nothing is evaluated: a Gemma 4 config with 5.5 G parameters costs no memory.
 * Gemma 4's KV-shared layers add nothing; the command prints each stored model's line.
 """
 
@@ -50,8 +50,8 @@ def test_lazy_figures_are_what_real_caches_hold(case, tiny_model_dir):
 
 
 def test_nothing_is_evaluated():
-    """A Gemma 4 config of real width (hidden 2048, 30 layers, a 262k vocabulary: ~10 GB of
-    float32 weights): the probe allocates next to nothing."""
+    """A Gemma 4 config of real width (hidden 2048, 30 layers, a 262k vocabulary: 5.5 G
+    parameters, 22 GB in float32): the probe allocates next to nothing."""
     big = {**_BASE, **TINY_CONFIGS["gemma4_text"], "hidden_size": 2048,
            "intermediate_size": 8192, "vocab_size": 262144, "vocab_size_per_layer_input": 262144,
            "hidden_size_per_layer_input": 256, "num_hidden_layers": 30,

@@ -25,32 +25,19 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from backend.api import DoneEvent, GenerateRequest, TokenEvent
 from backend.engine import Engine
 from backend.errors import ConfigError
 from backend.memory.budgets import CacheBudgets, CacheConfig
 from backend.models import gemma4
 from backend.weights.loading import load_model
-from tests.fixtures.references import mlx_lm_model, random_tokens
+from tests.fixtures.references import mlx_lm_greedy, random_tokens
 from tests.fixtures.tiny_gemma4 import gemma4_config
 from tests.fixtures.tiny_models import _BASE, TINY_CONFIGS
+from tests.test_prefix_cache_models import run as _reply
 
 TOLERANCE = 1e-4
 ROWS = ("gemma4_text", "gemma4", "gemma4-moe", "gemma4-4bit", "gemma4-moe-4bit")
 MIB = 1 << 20
-
-
-def _reply(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], list[float],
-                                                                DoneEvent]:
-    ids, logprobs, done = [], [], None
-    request = GenerateRequest(prompt_ids=prompt, max_tokens=n, ignore_eos=True, logprobs=True)
-    for event in engine.generate(request):
-        if isinstance(event, DoneEvent):
-            done = event
-        elif isinstance(event, TokenEvent) and event.token_id >= 0:
-            ids.append(event.token_id)
-            logprobs.append(event.logprob)
-    return ids, logprobs, done
 
 
 # -- 1. shared keys are stored once -----------------------------------------------------------
@@ -99,17 +86,6 @@ def test_the_prefix_cache_stores_only_the_source_layers(tiny_model_dir):
 
 # -- 2. greedy replies equal mlx-lm's ---------------------------------------------------------
 
-def _mlx_lm_greedy(folder, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    from mlx_lm.generate import generate_step
-
-    model = mlx_lm_model(folder)
-    ids, logprobs = [], []
-    for token, lp in generate_step(mx.array(prompt), model, max_tokens=n):
-        ids.append(int(token))
-        logprobs.append(float(lp[int(token)]))
-    return ids, logprobs
-
-
 def _plain_mlx_greedy(folder, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
     """Greedy decoding of the model on plain MLX ops (no native kernels): 16-token prefill
     chunks, then one token at a time through its caches."""
@@ -132,7 +108,7 @@ def test_greedy_reply_equals_mlx_lm(case, tiny_model_dir, native_kernels):
     through the engine on the native kernels, and on plain MLX ops."""
     folder = tiny_model_dir(case)
     prompt = [int(t) for t in random_tokens(60, seed=5)[0]]
-    want_ids, want_logprobs = _mlx_lm_greedy(folder, prompt, 24)
+    want_ids, want_logprobs = mlx_lm_greedy(folder, prompt, 24)
     engine = Engine.load(str(folder), cache=CacheConfig.memory_only(), prefill_chunk=16)
     ids, logprobs, _ = _reply(engine, prompt, 24)
     engine.close()

@@ -51,7 +51,7 @@ from backend.caches.kv import KVCache
 from backend.caches.rotating import RotatingKVCache
 from backend.errors import ConfigError
 from backend.models.base import ZERO_ALLOWED, args_from_config, config_mapping, one_of
-from backend.models.decoder import Backbone, DecoderModel
+from backend.models.decoder import Backbone, DecoderModel, multimodal_text_name
 from backend.models.gemma3 import (FULL, SLIDING, check_layer_types, rope_by_attention_type,
                                    soft_cap)
 from backend.models.layers import ACTIVATIONS, GatedMLP, RMSNorm
@@ -67,9 +67,6 @@ DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10000.0},
                 FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                        "rope_theta": 1000000.0}}
 
-#: Checkpoint prefixes of the language model -> this module tree's (first match wins).
-_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                  ("language_model.", ""))
 #: Towers and projectors of the multimodal checkpoints (with or without a ``model.`` prefix).
 _OTHER_MODALITIES = ("vision_tower.", "embed_vision.", "multi_modal_projector.", "audio_tower.",
                      "embed_audio.", "vision_embedder.")
@@ -407,27 +404,16 @@ class Model(DecoderModel):
                 for layer in self.model.layers if layer.cache_slot is not None]
 
     def parameter_name(self, checkpoint_name: str) -> str | None:
-        bare = checkpoint_name.removeprefix("model.")
-        if bare.startswith(_OTHER_MODALITIES):
-            return None
-        for prefix, own in _TEXT_PREFIXES:
-            if checkpoint_name.startswith(prefix):
-                return own + checkpoint_name[len(prefix):]
-        return checkpoint_name
+        return multimodal_text_name(checkpoint_name, _OTHER_MODALITIES)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """The language model's tensors under this tree's names: other modalities dropped
         (one logged line), shared layers' key/value tensors dropped, experts split and
         stacked; then the shared decoder's sanitize."""
-        renamed, others = {}, 0
-        shared = {f"model.layers.{i}.{name}" for i, layer in enumerate(self.model.layers)
-                  if layer.kv_source is not None for name in _SHARED_LAYER_UNUSED}
-        for name, value in weights.items():
-            own = self.parameter_name(name)
-            if own is None:
-                others += 1
-            elif not own.startswith(tuple(shared)):
-                renamed[own] = value
+        renamed, others = self.renamed_weights(weights)
+        unused = tuple(f"model.layers.{i}.{name}" for i, layer in enumerate(self.model.layers)
+                       if layer.kv_source is not None for name in _SHARED_LAYER_UNUSED)
+        renamed = {k: v for k, v in renamed.items() if not k.startswith(unused)}
         if others:
             log.warning("images and audio are not supported: the checkpoint's vision/audio "
                         "towers (%d tensors) are not loaded, only its language model", others)
