@@ -2,7 +2,7 @@
 
 For each architecture row of TINY_CONFIGS: Arbor's full-sequence logits, and its logits from a
 chunked prefill followed by token-by-token decode through the cache, must match Hugging Face
-transformers (CPU torch, float32) and mlx-lm within 1e-4.
+transformers (CPU torch, float32; rows it can load) and mlx-lm within 1e-4.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from backend.weights.loading import load_model
 from tests.fixtures.byte_tokenizer import VOCAB_SIZE
-from tests.fixtures.tiny_models import TINY_CONFIGS
+from tests.fixtures.tiny_models import TINY_CONFIGS, transformers_reads
 
 TOLERANCE = 1e-4
 SEQ_LEN = 40
@@ -69,14 +69,16 @@ def _arbor_incremental(folder, tokens: np.ndarray) -> np.ndarray:
 def test_logits_match_transformers_and_mlx_lm(case, tiny_model_dir):
     folder = tiny_model_dir(case)
     tokens = _tokens(VOCAB_SIZE)
-    reference = _torch_logits(folder, tokens)
     full = _arbor_full(folder, tokens)
     incremental = _arbor_incremental(folder, tokens)
-    assert full.shape == reference.shape
-    assert np.abs(reference).max() > 0.5  # the check is not vacuous
-    assert np.abs(full - reference).max() < TOLERANCE
-    assert np.abs(incremental - reference).max() < TOLERANCE
+    if transformers_reads(case):
+        reference = _torch_logits(folder, tokens)
+        assert full.shape == reference.shape
+        assert np.abs(reference).max() > 0.5  # the check is not vacuous
+        assert np.abs(full - reference).max() < TOLERANCE
+        assert np.abs(incremental - reference).max() < TOLERANCE
     mlx_lm = _mlx_lm_logits(folder, tokens)
+    assert full.shape == mlx_lm.shape and np.abs(mlx_lm).max() > 0.5
     upto = MLX_LM_VALID_POSITIONS.get(case, SEQ_LEN)
     assert np.abs(full[:, :upto] - mlx_lm[:, :upto]).max() < TOLERANCE
     assert np.abs(incremental[:, :upto] - mlx_lm[:, :upto]).max() < TOLERANCE

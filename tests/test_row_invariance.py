@@ -14,7 +14,8 @@ import pytest
 
 from backend.weights.loading import load_model
 
-CASES = ["llama", "qwen3", "mistral-window", "gemma3", "qwen3_next", "qwen3_moe"]
+CASES = ["llama", "qwen3", "mistral-window", "gemma3", "qwen3_next", "qwen3_moe", "glm4_moe_lite",
+         "glm4_moe_lite-4bit"]
 
 
 def _prefill(model, caches, tokens):
