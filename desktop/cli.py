@@ -162,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="the local model store")
     msub = models.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
-    msub.add_parser("list")
+    listing = msub.add_parser("list")
+    listing.add_argument("--verbose", action="store_true",
+                         help="also the cache bytes each token of a conversation takes")
     imp = msub.add_parser("import")
     imp.add_argument("path", type=Path)
     imp.add_argument("--name")
@@ -371,6 +373,8 @@ def cmd_models(args: argparse.Namespace) -> int:
                 "" if m.draft in names else " (missing)")
             print(f"{m.name:40} {m.architecture:12} {m.quantization or 'float':12} "
                   f"{m.size_bytes / 1e6:9.1f} MB{draft}")
+            if args.verbose:
+                print(f"    {_state_per_token(m.path)}")
     elif args.models_command == "import":
         # A progress line only on a terminal, ended before any error: piped stderr gets
         # nothing but the one-line error.
@@ -396,6 +400,20 @@ def cmd_models(args: argparse.Namespace) -> int:
         store.unpair(args.name)
         print(f"{args.name} has no paired draft now")
     return 0
+
+
+def _state_per_token(folder: Path) -> str:
+    """One line: the cache bytes a token of a conversation takes (float32, the CPU's compute
+    dtype), which is what each tier of the prefix cache stores per token."""
+    from backend.errors import ArborError
+    from backend.models.state_size import state_bytes_per_token
+    from backend.weights.files import read_config
+
+    try:
+        per_token = state_bytes_per_token(read_config(folder), source=folder / "config.json")
+    except ArborError as exc:
+        return f"cache per token: unknown ({exc})"
+    return f"cache per token: {per_token:,} bytes (float32; {per_token / 1024:.1f} KiB)"
 
 
 BENCH_SUITES = ("speed", "cache", "spec")
