@@ -143,7 +143,9 @@ def test_the_router_keeps_to_the_best_groups():
     router = glm.GroupLimitedRouter(args)
     rng = np.random.default_rng(0)
     router.weight = mx.array(rng.normal(0, 1, (8, args.hidden_size)).astype(np.float32))
-    router.e_score_correction_bias = mx.array(rng.normal(0, 0.5, 8).astype(np.float32))
+    # Negative biases: every choice score below 0, so a dropped group must lose to any kept
+    # expert whatever it is replaced by (zeroing it would let it win).
+    router.e_score_correction_bias = mx.array(rng.normal(-1.5, 0.3, 8).astype(np.float32))
     x = mx.array(rng.normal(0, 1, (1, 50, args.hidden_size)).astype(np.float32))
     top, weights = router(x)
     scores = 1 / (1 + np.exp(-(np.array(x, np.float64) @ np.array(router.weight, np.float64).T)))

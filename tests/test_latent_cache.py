@@ -48,9 +48,14 @@ def test_history_is_the_entries_and_their_latent_as_views():
     assert history.values.shape == (1, 1, 8, LATENT)
     assert positions_of(history.keys) == list(range(8))
     assert (np.array(history.values)[0, 0, :, 0] == np.arange(8)).all()
+    latent = mx.random.normal((1, 1, 2, LATENT))
+    rope = mx.random.normal((1, 1, 2, ROPE))
+    history = cache.update(latent, rope)
+    assert mx.array_equal(history.values[..., 8:, :], latent).item()
+    assert mx.array_equal(history.keys[..., 8:, :], mx.concatenate([latent, rope], -1)).item()
     # One buffer of whole entries, grown in blocks: per token exactly latent + rope values.
     assert cache.arrays() == [cache.keys] and cache.values is None
-    assert cache.nbytes == cache.keys.shape[2] * ENTRY_BYTES
+    assert cache.nbytes == cache.keys.shape[2] * ENTRY_BYTES and cache.offset == 10
 
 
 def test_lazy_snapshots_cost_nothing_until_a_write_overwrites_them():
