@@ -6,7 +6,7 @@
     arbor generate ...          one generation; --json prints one machine-readable object
     arbor models list | import PATH [--name N] [--quantize 4|8] [--draft D [--quantize-draft 4|8]]
                 | rm NAME | unpair NAME
-    arbor bench [--model M] [--against mlx-lm] [--formats float32,bfloat16,4bit] [--hybrid]
+    arbor bench [--model M] [--against mlx-lm] [--formats float32,bfloat16,4bit] [--hybrid] [--glm]
 
 Every user-caused problem (bad file, unknown architecture, prompt too long, bad arguments) is
 printed as one line ``arbor: error: ...`` with exit status 2, never a traceback.
@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokens per reply (default: speed 128, cache 48, spec 128)")
     bench.add_argument("--hybrid", action="store_true",
                        help="also benchmark a hybrid recurrent model's prefill")
+    bench.add_argument("--glm", action="store_true",
+                       help="also benchmark a random GLM-4.7-Flash-shaped checkpoint (latent "
+                       "attention, group-limited MoE) against mlx-lm")
     trace = bench.add_argument_group("bench cache")
     trace.add_argument("--conversations", type=int, default=40)
     trace.add_argument("--turns", type=int, default=6)
@@ -451,6 +454,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.hybrid:
         from backend import bench_hybrid
         print(bench_hybrid.format_table(bench_hybrid.run_hybrid_bench()))
+    if args.glm:
+        from backend import bench_glm, bench_hybrid
+        rows = bench_glm.run_glm_bench(log=lambda m: print(m, file=sys.stderr))
+        print(bench_glm.describe())
+        print(bench_hybrid.format_table(rows))
     return 0
 
 
