@@ -3,7 +3,8 @@ block) gives, bit for bit, the logits and cache state of k one-token decode step
 makes greedy speculative output identical to plain greedy output, not just close.
 
 Run with the native CPU kernels (the default CPU path), for every cache kind: full attention,
-a sliding window whose wrap falls inside the block, gated-delta recurrent layers, sparse MoE.
+a sliding window whose wrap falls inside the block, gated-delta recurrent layers, sparse MoE,
+latent attention (GLM-4.7-Flash, absorbed form; its per-head and expert products gathered).
 """
 
 from __future__ import annotations
