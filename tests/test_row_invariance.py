@@ -15,8 +15,8 @@ import pytest
 
 from backend.weights.loading import load_model
 
-CASES = ["llama", "qwen3", "mistral-window", "gemma3", "qwen3_next", "qwen3_moe", "glm4_moe_lite",
-         "glm4_moe_lite-4bit"]
+CASES = ["llama", "qwen3", "mistral-window", "gemma3", "qwen3_next", "qwen3_moe", "qwen3_5",
+         "qwen3_5_moe", "qwen3_5-4bit", "qwen3_5_moe-4bit", "glm4_moe_lite", "glm4_moe_lite-4bit"]
 
 
 def _prefill(model, caches, tokens):

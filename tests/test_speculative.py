@@ -1,7 +1,8 @@
 """Speculative decoding never changes the answer.
 
 * Greedy identity: for full attention, a sliding window crossed inside verify blocks, hybrid
-  recurrent and latent-attention (GLM-4.7-Flash) tiny models, with every drafter (prompt lookup, a draft model that agrees, one that
+  recurrent (Qwen3-Next, Qwen3.5 dense and MoE) and latent-attention (GLM-4.7-Flash) tiny
+  models, with every drafter (prompt lookup, a draft model that agrees, one that
   does not) and every draft length 1..8, speculative greedy output is plain greedy output token
   for token (and logprob for logprob), also for a prompt resumed from the prefix cache.
 * Rollback: after rejected rounds every cache holds exactly the committed tokens (the next step
@@ -32,7 +33,7 @@ from backend.speculation.rollback import SpeculativeWrite
 from backend.weights.loading import load_model
 from tests.fixtures.tiny_models import write_tiny_model
 
-KINDS = ("llama", "gemma3", "qwen3_next", "glm4_moe_lite")
+KINDS = ("llama", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe_lite")
 
 
 def reply(engine: Engine, prompt, n=24, draft="auto", sampling=None):
@@ -228,7 +229,8 @@ def _cache(kind):
             "recurrent": RecurrentCache, "latent": lambda: LatentCache(12)}[kind]()
 
 
-@pytest.mark.parametrize("case", ["llama", "gemma3", "qwen3_next", "glm4_moe_lite",
+@pytest.mark.parametrize("case", ["llama", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe",
+                                  "qwen3_5-4bit", "qwen3_5_moe-4bit", "glm4_moe_lite",
                                   "glm4_moe_lite-4bit"])
 def test_rejected_rounds_leave_exactly_the_committed_tokens(case, tiny_model_dir):
     """Many verify rounds with random acceptance, then one step: equal (bitwise) to a fresh

@@ -78,6 +78,11 @@ class LanguageModel(Protocol):
         tensor when the checkpoint cannot fit."""
         ...
 
+    def parameter_name(self, checkpoint_name: str) -> str | None:
+        """The name ``sanitize`` gives a checkpoint's tensor or module (None: one it drops);
+        the loader reads per-module quantization settings through it."""
+        ...
+
 
 @runtime_checkable
 class Architecture(Protocol):

@@ -99,6 +99,12 @@ class DecoderModel(nn.Module):
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
 
+    def parameter_name(self, checkpoint_name: str) -> str | None:
+        """This module tree's name for a checkpoint's tensor or module name: the renaming
+        ``sanitize`` applies (None: a name it drops). Families whose checkpoints nest the
+        decoder under another prefix override it."""
+        return checkpoint_name
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop precomputed RoPE frequencies (the module computes its own), and give a tied
         model the ``lm_head`` its checkpoint ships: a config may say the embeddings are tied

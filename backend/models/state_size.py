@@ -28,7 +28,8 @@ def _every_layer(args: Any) -> int:
 
 
 def _full_attention_layers(args: Any) -> int:
-    """Families mixing full attention with windows (Gemma 3) or recurrent layers (Qwen3-Next)."""
+    """Families mixing full attention with windows (Gemma 3) or recurrent layers (Qwen3-Next,
+    Qwen3.5)."""
     return _keys_and_values(args, args.layer_types.count(FULL_ATTENTION))
 
 
@@ -41,6 +42,8 @@ def _latent(args: Any) -> int:
 VALUES_PER_TOKEN: dict[str, Callable[[Any], int]] = {
     "gemma3_text": _full_attention_layers,
     "qwen3_next": _full_attention_layers,
+    "qwen3_5": _full_attention_layers,
+    "qwen3_5_moe": _full_attention_layers,
     "glm4_moe_lite": _latent,
 }
 
