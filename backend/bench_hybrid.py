@@ -300,34 +300,42 @@ def run_hybrid_bench(prompt_lengths: tuple[int, ...] = (1024, 4096), decode_toke
     ``folder``: where to write the random checkpoint (a temporary folder by default);
     ``num_layers``: the family's ``default_layers`` when None.
     """
-    log = log or (lambda _msg: None)
     config = model_config(hidden_size, num_layers or default_layers(family), family=family)
+    vocab = (config.get("text_config") or config)["vocab_size"]
     with tempfile.TemporaryDirectory() as tmp:
         path = write_random_checkpoint(Path(folder or tmp), config)
-        runners = {"arbor": _arbor_runner(path), "mlx-lm": _mlx_lm_runner(path)}
-        rng = np.random.default_rng(1)
-        rows: list[BenchRow] = []
-        vocab = (config.get("text_config") or config)["vocab_size"]
-        warm = mx.array(rng.integers(0, vocab, (1, 256)))
-        for runner in runners.values():
-            if runner is not None:
-                runner.prefill(warm, runner.make_caches())  # compile / warm kernels
-        for n in prompt_lengths:
-            tokens = mx.array(rng.integers(0, vocab, (1, n)))
-            figures = {}
-            for name, runner in runners.items():
-                log(f"prefill {n} tokens: {name}")
-                figures[name] = None if runner is None else _prefill_tps(runner, tokens, repeats)
-            rows.append(BenchRow("prefill", n, figures["arbor"], figures["mlx-lm"]))
-        prompt = mx.array(rng.integers(0, vocab, (1, decode_prompt)))
-        figures, outputs = {}, {}
+        return compare_on_checkpoint(path, vocab, prompt_lengths, decode_tokens, decode_prompt,
+                                     repeats, log)
+
+
+def compare_on_checkpoint(path: Path, vocab_size: int, prompt_lengths: tuple[int, ...],
+                          decode_tokens: int, decode_prompt: int, repeats: int = 1,
+                          log: Callable[[str], None] | None = None) -> list[BenchRow]:
+    """Prefill tok/s at each prompt length and greedy decode tok/s of Arbor and mlx-lm, each
+    loading the checkpoint at ``path`` with its own loader (the family benchmarks share it)."""
+    log = log or (lambda _msg: None)
+    runners = {"arbor": _arbor_runner(path), "mlx-lm": _mlx_lm_runner(path)}
+    rng = np.random.default_rng(1)
+    rows: list[BenchRow] = []
+    warm = mx.array(rng.integers(0, vocab_size, (1, 256)))
+    for runner in runners.values():
+        if runner is not None:
+            runner.prefill(warm, runner.make_caches())  # compile / warm kernels
+    for n in prompt_lengths:
+        tokens = mx.array(rng.integers(0, vocab_size, (1, n)))
+        figures = {}
         for name, runner in runners.items():
-            log(f"decode {decode_tokens} tokens: {name}")
-            if runner is not None:
-                figures[name], outputs[name] = _decode_tps(runner, prompt, decode_tokens)
-        same = outputs["arbor"] == outputs["mlx-lm"] if "mlx-lm" in outputs else None
-        rows.append(BenchRow("decode", decode_tokens, figures["arbor"], figures.get("mlx-lm"),
-                             same))
+            log(f"prefill {n} tokens: {name}")
+            figures[name] = None if runner is None else _prefill_tps(runner, tokens, repeats)
+        rows.append(BenchRow("prefill", n, figures["arbor"], figures["mlx-lm"]))
+    prompt = mx.array(rng.integers(0, vocab_size, (1, decode_prompt)))
+    figures, outputs = {}, {}
+    for name, runner in runners.items():
+        log(f"decode {decode_tokens} tokens: {name}")
+        if runner is not None:
+            figures[name], outputs[name] = _decode_tps(runner, prompt, decode_tokens)
+    same = outputs["arbor"] == outputs["mlx-lm"] if "mlx-lm" in outputs else None
+    rows.append(BenchRow("decode", decode_tokens, figures["arbor"], figures.get("mlx-lm"), same))
     return rows
 
 

@@ -8,7 +8,8 @@ transformers and mlx-lm within 1e-4), test_row_invariance, test_prefix_cache_mod
 tier, bitwise), test_speculative and test_architecture_contract. This file adds:
 
 1. The KV-shared layers store nothing: a conversation's bytes in the prefix cache are those of
-   the layers that compute keys and values, measured against the shapes the config gives them.
+   the layers that compute keys and values, measured against the shapes the config gives them;
+   ``arbor models list --verbose`` counts those layers only.
 2. Greedy replies through the engine equal mlx-lm's greedy tokens (log-probabilities within
    1e-4), with and without the native CPU kernels.
 3. The checkpoint's parts: the other modalities left out with one logged line, 8-bit routers,
@@ -82,6 +83,19 @@ def test_the_prefix_cache_stores_only_the_source_layers(tiny_model_dir):
     host = engine.cache_stats().tiers["host"].bytes
     assert host == expected, (host, expected)
     engine.close()
+
+
+def test_models_list_verbose_counts_only_the_source_layers(tiny_model_dir, capsys):
+    """The tiny KV-shared model: of its two global layers only layer 2 computes keys (layer 5
+    reads them), so a token costs one global layer's keys and values: 2 x 2 heads x 32 x 4."""
+    from desktop.cli import main
+
+    assert main(["models", "import", str(tiny_model_dir("gemma4")), "--name", "tiny-g4"]) == 0
+    capsys.readouterr()
+    assert main(["models", "list", "--verbose"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    line = out[out.index(next(row for row in out if row.startswith("tiny-g4"))) + 1]
+    assert line.strip() == "cache per token: 512 bytes (float32; 0.5 KiB)"
 
 
 # -- 2. greedy replies equal mlx-lm's ---------------------------------------------------------

@@ -112,14 +112,6 @@ class LazyKVStorage:
     def arrays(self) -> list[mx.array]:
         return [] if self.keys is None else [self.keys, self.values]
 
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one position takes (keys and values of every head); 0 before the first write.
-        Read from the buffers' shapes, so it needs no evaluation."""
-        if self.keys is None:
-            return 0
-        return (self.keys.nbytes + self.values.nbytes) // self.keys.shape[2]
-
     def _forget(self, snapshot: KVSnapshot) -> None:
         self._lazy = [s for s in self._lazy if s is not snapshot]
 
