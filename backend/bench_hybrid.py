@@ -4,7 +4,9 @@ Both run the *same* random checkpoint of one hybrid family (written once in the 
 layout, loaded by each library's own loader) in the same process, so the ratios compare code,
 not weights or machines. Families (``FAMILIES``): Qwen3-Next (fused projections, all MLPs
 sparse), Qwen3.5 (four projections, dense MLPs) and Qwen3.5-MoE (every MLP sparse), with their
-published head sizes; checkpoint width and depth are parameters. Prefill is timed to the
+published head sizes; and Gemma 4 (sliding / global attention, KV-shared layers; its MoE
+layout), whose checkpoints ``bench_gemma4.py`` writes. Checkpoint width and depth are
+parameters. Prefill is timed to the
 evaluated final hidden state and cache state (no vocabulary projection, in ``PREFILL_CHUNK``-
 token chunks as each library's generate loop does); decode is greedy single-token steps after a
 prompt, each step evaluated.
@@ -29,6 +31,8 @@ from typing import Callable
 import backend  # noqa: F401  (loads the system BLAS before mlx.core)
 import mlx.core as mx
 import numpy as np
+
+from backend import bench_gemma4
 
 #: Prefill chunk used for both libraries (Arbor's engine and mlx-lm's generate both use 2048).
 PREFILL_CHUNK = 2048
@@ -55,7 +59,13 @@ FAMILIES = {
     "qwen3_next": "Qwen3-Next-shaped: 3/4 layers gated delta, 32 experts top-4 + shared",
     "qwen3_5": "Qwen3.5-shaped: 3/4 layers gated delta, dense MLPs",
     "qwen3_5_moe": "Qwen3.5-MoE-shaped: 3/4 layers gated delta, 32 experts top-4 + shared",
+    **bench_gemma4.FAMILIES,
 }
+
+
+def default_layers(family: str) -> int:
+    """Checkpoint depth when not given."""
+    return bench_gemma4.DEFAULT_LAYERS if family in bench_gemma4.FAMILIES else DEFAULT_LAYERS
 
 
 def model_config(hidden_size: int = DEFAULT_HIDDEN, num_layers: int = DEFAULT_LAYERS,
@@ -67,6 +77,8 @@ def model_config(hidden_size: int = DEFAULT_HIDDEN, num_layers: int = DEFAULT_LA
     text settings in ``text_config``, as the published multimodal checkpoints do."""
     if family not in FAMILIES:
         raise ValueError(f"unknown hybrid family {family!r} (choose from {', '.join(FAMILIES)})")
+    if family in bench_gemma4.FAMILIES:
+        return bench_gemma4.model_config(hidden_size, num_layers, vocab_size, family)
     heads = max(1, hidden_size // 128)
     text = {
         "hidden_size": hidden_size,
@@ -114,6 +126,8 @@ def write_random_checkpoint(folder: Path, config: dict, seed: int = 0) -> Path:
     """Random float32 weights in the family's Hugging Face layout: Qwen3-Next's fused
     projections and per-expert tensors; Qwen3.5's four projections, ``model.language_model.*``
     names and experts fused per layer (``experts.gate_up_proj``)."""
+    if config["model_type"] == "gemma4":
+        return bench_gemma4.write_random_checkpoint(folder, config, seed)
     rng = np.random.default_rng(seed)
     qwen3_5 = "text_config" in config
     c = config["text_config"] if qwen3_5 else config
@@ -239,9 +253,17 @@ def _mlx_lm_runner(folder: Path) -> _Runner | None:
     except ImportError:
         return None
     model, _ = mlx_lm_load(folder)
-    text = getattr(model, "language_model", model)  # Qwen3.5 nests its text model
-    return _Runner(lambda t, c: text.model(t, c), text.lm_head,
+    text = getattr(model, "language_model", model)  # Qwen3.5 and Gemma 4 nest their text model
+    return _Runner(lambda t, c: text.model(t, c), _mlx_lm_head(text),
                    lambda: make_prompt_cache(model), lambda caches: [c.state for c in caches])
+
+
+def _mlx_lm_head(text) -> Callable:
+    """An mlx-lm text model's vocabulary projection: its ``lm_head`` or the tied embedding,
+    soft-capped where the model caps its logits (Gemma 4)."""
+    head = text.lm_head if "lm_head" in text else text.model.embed_tokens.as_linear
+    cap = getattr(text, "final_logit_softcapping", None)
+    return head if cap is None else (lambda h: mx.tanh(head(h) / cap) * cap)
 
 
 def _prefill_tps(runner: _Runner, tokens: mx.array, repeats: int) -> float:
@@ -269,42 +291,51 @@ def _decode_tps(runner: _Runner, prompt: mx.array, steps: int) -> tuple[float, l
 
 def run_hybrid_bench(prompt_lengths: tuple[int, ...] = (1024, 4096), decode_tokens: int = 32,
                      decode_prompt: int = 512, hidden_size: int = DEFAULT_HIDDEN,
-                     num_layers: int = DEFAULT_LAYERS, repeats: int = 1, folder: str | Path | None = None,
+                     num_layers: int | None = None, repeats: int = 1, folder: str | Path | None = None,
                      log: Callable[[str], None] | None = None,
                      family: str = "qwen3_next") -> list[BenchRow]:
     """Prefill tok/s at each prompt length and greedy decode tok/s, Arbor vs mlx-lm, on a
     random checkpoint of ``family`` (``FAMILIES``).
 
-    ``folder``: where to write the random checkpoint (a temporary folder by default).
+    ``folder``: where to write the random checkpoint (a temporary folder by default);
+    ``num_layers``: the family's ``default_layers`` when None.
     """
-    log = log or (lambda _msg: None)
-    config = model_config(hidden_size, num_layers, family=family)
+    config = model_config(hidden_size, num_layers or default_layers(family), family=family)
+    vocab = (config.get("text_config") or config)["vocab_size"]
     with tempfile.TemporaryDirectory() as tmp:
         path = write_random_checkpoint(Path(folder or tmp), config)
-        runners = {"arbor": _arbor_runner(path), "mlx-lm": _mlx_lm_runner(path)}
-        rng = np.random.default_rng(1)
-        rows: list[BenchRow] = []
-        vocab = (config.get("text_config") or config)["vocab_size"]
-        warm = mx.array(rng.integers(0, vocab, (1, 256)))
-        for runner in runners.values():
-            if runner is not None:
-                runner.prefill(warm, runner.make_caches())  # compile / warm kernels
-        for n in prompt_lengths:
-            tokens = mx.array(rng.integers(0, vocab, (1, n)))
-            figures = {}
-            for name, runner in runners.items():
-                log(f"prefill {n} tokens: {name}")
-                figures[name] = None if runner is None else _prefill_tps(runner, tokens, repeats)
-            rows.append(BenchRow("prefill", n, figures["arbor"], figures["mlx-lm"]))
-        prompt = mx.array(rng.integers(0, vocab, (1, decode_prompt)))
-        figures, outputs = {}, {}
+        return compare_on_checkpoint(path, vocab, prompt_lengths, decode_tokens, decode_prompt,
+                                     repeats, log)
+
+
+def compare_on_checkpoint(path: Path, vocab_size: int, prompt_lengths: tuple[int, ...],
+                          decode_tokens: int, decode_prompt: int, repeats: int = 1,
+                          log: Callable[[str], None] | None = None) -> list[BenchRow]:
+    """Prefill tok/s at each prompt length and greedy decode tok/s of Arbor and mlx-lm, each
+    loading the checkpoint at ``path`` with its own loader (the family benchmarks share it)."""
+    log = log or (lambda _msg: None)
+    runners = {"arbor": _arbor_runner(path), "mlx-lm": _mlx_lm_runner(path)}
+    rng = np.random.default_rng(1)
+    rows: list[BenchRow] = []
+    warm = mx.array(rng.integers(0, vocab_size, (1, 256)))
+    for runner in runners.values():
+        if runner is not None:
+            runner.prefill(warm, runner.make_caches())  # compile / warm kernels
+    for n in prompt_lengths:
+        tokens = mx.array(rng.integers(0, vocab_size, (1, n)))
+        figures = {}
         for name, runner in runners.items():
-            log(f"decode {decode_tokens} tokens: {name}")
-            if runner is not None:
-                figures[name], outputs[name] = _decode_tps(runner, prompt, decode_tokens)
-        same = outputs["arbor"] == outputs["mlx-lm"] if "mlx-lm" in outputs else None
-        rows.append(BenchRow("decode", decode_tokens, figures["arbor"], figures.get("mlx-lm"),
-                             same))
+            log(f"prefill {n} tokens: {name}")
+            figures[name] = None if runner is None else _prefill_tps(runner, tokens, repeats)
+        rows.append(BenchRow("prefill", n, figures["arbor"], figures["mlx-lm"]))
+    prompt = mx.array(rng.integers(0, vocab_size, (1, decode_prompt)))
+    figures, outputs = {}, {}
+    for name, runner in runners.items():
+        log(f"decode {decode_tokens} tokens: {name}")
+        if runner is not None:
+            figures[name], outputs[name] = _decode_tps(runner, prompt, decode_tokens)
+    same = outputs["arbor"] == outputs["mlx-lm"] if "mlx-lm" in outputs else None
+    rows.append(BenchRow("decode", decode_tokens, figures["arbor"], figures.get("mlx-lm"), same))
     return rows
 
 
@@ -321,8 +352,9 @@ def format_table(rows: list[BenchRow]) -> str:
 
 
 def describe(family: str, hidden_size: int = DEFAULT_HIDDEN,
-             num_layers: int = DEFAULT_LAYERS) -> str:
+             num_layers: int | None = None) -> str:
     """The table's title line for one family's run."""
+    num_layers = num_layers or default_layers(family)
     return (f"{FAMILIES[family]}; random, hidden {hidden_size}, {num_layers} layers; "
             f"float32, {mx.default_device()}")
 
@@ -336,7 +368,8 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=DEFAULT_HIDDEN)
-    parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS)
+    parser.add_argument("--layers", type=int, help="default: the family's "
+                        f"({DEFAULT_LAYERS}; Gemma 4: {bench_gemma4.DEFAULT_LAYERS})")
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     for family in args.family or ["qwen3_next"]:

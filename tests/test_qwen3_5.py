@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -36,8 +35,8 @@ from backend.weights.loading import load_model
 from tests.fixtures.references import (
     chunked_logits,
     give_slow_gates,
+    mlx_lm_greedy,
     mlx_lm_logits,
-    mlx_lm_model,
     random_tokens,
     transformers_logits,
 )
@@ -87,17 +86,6 @@ def test_the_kernels_stack_the_four_projections(tiny_model_dir, native_kernels):
 
 # -- 2. greedy replies equal mlx-lm's --------------------------------------------------------
 
-def _mlx_lm_greedy(folder, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    from mlx_lm.generate import generate_step
-
-    model = mlx_lm_model(folder)
-    ids, logprobs = [], []
-    for token, lp in generate_step(mx.array(prompt), model, max_tokens=n):
-        ids.append(int(token))
-        logprobs.append(float(lp[int(token)]))
-    return ids, logprobs
-
-
 @pytest.mark.parametrize("case", ROWS)
 def test_greedy_reply_equals_mlx_lm(case, tiny_model_dir):
     folder = tiny_model_dir(case)
@@ -107,7 +95,7 @@ def test_greedy_reply_equals_mlx_lm(case, tiny_model_dir):
     events = [e for e in engine.generate(request) if isinstance(e, TokenEvent)]
     ids = [e.token_id for e in events if e.token_id >= 0]
     logprobs = [e.logprob for e in events if e.token_id >= 0]
-    want_ids, want_logprobs = _mlx_lm_greedy(folder, prompt, 24)
+    want_ids, want_logprobs = mlx_lm_greedy(folder, prompt, 24)
     assert ids == want_ids
     assert np.abs(np.array(logprobs) - np.array(want_logprobs)).max() < TOLERANCE
     engine.close()

@@ -69,7 +69,9 @@ class LanguageModel(Protocol):
         ...
 
     def make_caches(self) -> list[Cache]:
-        """One fresh cache per layer; the model chooses each layer's cache kind."""
+        """One fresh cache per layer that holds state; the model chooses each layer's cache kind.
+        A layer that reads another layer's keys and values (Gemma 4's KV-shared layers) has
+        none: the model hands it its source's history."""
         ...
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:

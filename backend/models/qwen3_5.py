@@ -35,17 +35,15 @@ import mlx.nn as nn
 from backend.errors import ConfigError
 from backend.models import qwen3_next
 from backend.models.base import config_mapping
+from backend.models.decoder import multimodal_text_name
 from backend.models.gated_delta import GatedDeltaMixer
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 
 log = logging.getLogger(__name__)
 
-#: Checkpoint prefixes of the language model -> this module tree's (first match wins).
-_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                  ("language_model.", ""))
-#: Prefixes of the vision tower's tensors (Hugging Face, mlx-community).
-_VISION_PREFIXES = ("model.visual.", "vision_tower.", "visual.")
+#: Prefixes of the vision tower's tensors (Hugging Face ``model.visual.``, mlx-community).
+_VISION_PREFIXES = ("visual.", "vision_tower.")
 
 
 @dataclass
@@ -97,23 +95,12 @@ class Model(qwen3_next.Model):
     decoder_layer = DecoderLayer
 
     def parameter_name(self, checkpoint_name: str) -> str | None:
-        if checkpoint_name.startswith(_VISION_PREFIXES):
-            return None
-        for prefix, own in _TEXT_PREFIXES:
-            if checkpoint_name.startswith(prefix):
-                return own + checkpoint_name[len(prefix):]
-        return checkpoint_name
+        return multimodal_text_name(checkpoint_name, _VISION_PREFIXES)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """The language model's tensors under this tree's names, then Qwen3-Next's sanitize
         (experts stacked, conv and norm layouts, the MTP head)."""
-        renamed, vision = {}, 0
-        for name, value in weights.items():
-            own = self.parameter_name(name)
-            if own is None:
-                vision += 1
-            else:
-                renamed[own] = value
+        renamed, vision = self.renamed_weights(weights)
         if vision:
             log.warning("images are not supported: the checkpoint's vision tower (%d tensors) "
                         "is not loaded, only its language model", vision)
