@@ -14,7 +14,7 @@ import mlx.core as mx
 from backend.caches.segments import Segments, layer_segments
 from backend.weights.loading import load_model
 
-CASES = ["llama", "gemma3", "qwen3_next", "qwen3_moe", "qwen3_5", "qwen3_5-4bit"]
+CASES = ["llama", "gemma3", "qwen3_next", "qwen3_moe", "qwen3_5", "qwen3_5-4bit", "gemma4_text", "gemma4", "gemma4-moe", "glm4_moe_lite", "glm4_moe_lite-4bit"]
 
 
 def _prefilled(model, ids: list[int]):

@@ -19,7 +19,7 @@ from backend.engine import Engine
 from backend.errors import InvalidRequestError
 from backend.memory.budgets import CacheBudgets, CacheConfig
 
-KINDS = ("llama", "gemma3", "qwen3_next", "qwen3_moe")
+KINDS = ("llama", "gemma3", "qwen3_next", "qwen3_moe", "qwen3_5", "gemma4", "glm4_moe_lite")
 EXACT_CHUNK = 16
 SYSTEM = list(range(40, 70))
 

@@ -41,14 +41,7 @@ class Segments:
 
     def split(self, x: mx.array, axis: int) -> list[mx.array]:
         """``x`` cut along ``axis`` into the segments' rows."""
-        if x.shape[axis] != self.rows:
-            raise ValueError(f"{x.shape[axis]} rows along axis {axis}, segments hold "
-                             f"{self.rows}")
-        bounds, at = [], 0
-        for n in self.lengths[:-1]:
-            at += n
-            bounds.append(at)
-        return mx.split(x, bounds, axis=axis) if bounds else [x]
+        return split_rows(x, self.lengths, axis)
 
     def map(self, fn: Callable[..., mx.array], arrays: Sequence[mx.array],
             axis: int) -> mx.array:
@@ -57,6 +50,18 @@ class Segments:
         parts = [self.split(a, axis) for a in arrays]
         outs = [fn(*(p[i] for p in parts), cache) for i, cache in enumerate(self.caches)]
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=axis)
+
+
+def split_rows(x: mx.array, lengths: Sequence[int], axis: int) -> list[mx.array]:
+    """``x`` cut along ``axis`` into consecutive parts of ``lengths`` rows."""
+    if x.shape[axis] != sum(lengths):
+        raise ValueError(f"{x.shape[axis]} rows along axis {axis}, segments hold "
+                         f"{sum(lengths)}")
+    bounds, at = [], 0
+    for n in lengths[:-1]:
+        at += n
+        bounds.append(at)
+    return mx.split(x, bounds, axis=axis) if bounds else [x]
 
 
 def layer_segments(per_sequence: Sequence[Sequence[Cache]], lengths: Sequence[int]
