@@ -199,7 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("suite", nargs="?", choices=BENCH_SUITES, default="speed",
                        help="speed: prefill/decode per weight format; cache: many conversations "
                        "round-robin against arbor serve and mlx-lm's server, then a restart; "
-                       "spec: plain vs speculative decoding (prompt lookup, a 4-bit self draft)")
+                       "spec: plain vs speculative decoding (prompt lookup, a 4-bit self draft); "
+                       "batch: 1..16 clients streaming at once against arbor serve and mlx-lm's "
+                       "server, a long prompt arriving mid-stream, step cost per batch size")
     _model_args(bench)
     bench.add_argument("--against", choices=("mlx-lm", "none"), default="mlx-lm")
     bench.add_argument("--formats", default="float32,bfloat16,4bit")
@@ -213,6 +215,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--glm", action="store_true",
                        help="also benchmark a random GLM-4.7-Flash-shaped checkpoint (latent "
                        "attention, group-limited MoE) against mlx-lm")
+    batch = bench.add_argument_group("bench batch")
+    batch.add_argument("--clients", default="1,2,4,8,16",
+                       help="concurrent client counts, comma separated")
+    batch.add_argument("--batch-formats", default="float32,4bit",
+                       help="weight formats for bench batch")
     trace = bench.add_argument_group("bench cache")
     trace.add_argument("--conversations", type=int, default=40)
     trace.add_argument("--turns", type=int, default=6)
@@ -423,6 +430,19 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_batch(args: argparse.Namespace, source: Path, work: Path) -> int:
+    from backend import bench, bench_batch
+
+    formats = [f for f in args.batch_formats.split(",") if f]
+    variants = {f: bench.write_variant(source, work / f"{source.name}-{f}", f) for f in formats}
+    clients = tuple(int(n) for n in args.clients.split(",") if n)
+    rows, stalls, costs = bench_batch.run(
+        variants, work, clients, new_tokens=args.new_tokens or 64,
+        against_mlx_lm=args.against == "mlx-lm", log=lambda m: print(m, file=sys.stderr))
+    print(bench_batch.format_table(rows, stalls, costs))
+    return 0
+
+
 def _state_per_token(folder: Path) -> str:
     """One line: the cache bytes a token of a conversation takes (float32, the CPU's compute
     dtype), which is what each tier of the prefix cache stores per token."""
@@ -437,7 +457,7 @@ def _state_per_token(folder: Path) -> str:
     return f"cache per token: {per_token:,} bytes (float32; {per_token / 1024:.1f} KiB)"
 
 
-BENCH_SUITES = ("speed", "cache", "spec")
+BENCH_SUITES = ("speed", "cache", "spec", "batch")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -449,6 +469,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     work = cache_dir() / "bench"
     if args.suite == "cache":
         return _bench_cache(args, Path(source), work)
+    if args.suite == "batch":
+        return _bench_batch(args, Path(source), work)
     if args.suite == "spec":
         from backend import bench_spec
 
