@@ -284,7 +284,9 @@ class Engine:
         with self._lock:
             self._check_owner()
             busy = self.scheduler.step()
-            if not busy:
+            if busy:
+                self.prefix.enforce_budgets()
+            else:
                 self.prefix.persist()
             return busy
 

@@ -824,6 +824,12 @@ class PrefixCache:
         self.budgets = budgets
         self._guarded_enforce_budgets()
 
+    def enforce_budgets(self) -> None:
+        """Move copies down until every tier fits again: running sequences' writes copy lazy
+        views of their live buffers out (they then cost bytes), so the engine calls this after
+        each step, keeping the budgets between steps."""
+        self._guarded_enforce_budgets()
+
     @_fault_boundary(lambda self: None)
     def _guarded_enforce_budgets(self) -> None:
         self._enforce_budgets()
