@@ -431,7 +431,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def _bench_batch(args: argparse.Namespace, source: Path, work: Path) -> int:
-    from backend import bench, bench_batch
+    from backend.bench import batch as bench_batch, speed as bench
 
     formats = [f for f in args.batch_formats.split(",") if f]
     variants = {f: bench.write_variant(source, work / f"{source.name}-{f}", f) for f in formats}
@@ -461,7 +461,7 @@ BENCH_SUITES = ("speed", "cache", "spec", "batch")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from backend import bench
+    from backend.bench import speed as bench
     from backend.paths import cache_dir
     from backend.weights.store import ModelStore
 
@@ -472,7 +472,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.suite == "batch":
         return _bench_batch(args, Path(source), work)
     if args.suite == "spec":
-        from backend import bench_spec
+        from backend.bench import spec as bench_spec
 
         new_tokens = args.new_tokens or 128
         rows = bench_spec.run(Path(source), work, new_tokens,
@@ -483,7 +483,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     args.new_tokens = args.new_tokens or 128
     hybrid = []
     if args.hybrid:
-        from backend import bench_hybrid
+        from backend.bench import hybrid as bench_hybrid
 
         hybrid = _hybrid_families(args.hybrid, bench_hybrid.FAMILIES)  # refused before any run
     formats = tuple(f for f in args.formats.split(",") if f)
@@ -501,7 +501,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(bench_hybrid.describe(family))
         print(bench_hybrid.format_table(rows))
     if args.glm:
-        from backend import bench_glm, bench_hybrid
+        from backend.bench import glm as bench_glm, hybrid as bench_hybrid
         rows = bench_glm.run_glm_bench(log=lambda m: print(m, file=sys.stderr))
         print(bench_glm.describe())
         print(bench_hybrid.format_table(rows))
@@ -520,7 +520,7 @@ def _hybrid_families(value: str, known: Iterable[str]) -> list[str]:
 
 
 def _bench_cache(args: argparse.Namespace, source: Path, work: Path) -> int:
-    from backend import bench, bench_cache
+    from backend.bench import cache as bench_cache, speed as bench
 
     folder = bench.write_variant(source, work / f"{source.name}-float32", "float32")
     flags, label = [], []

@@ -4,7 +4,7 @@ has its rows (timings themselves are never asserted)."""
 
 from __future__ import annotations
 
-from backend import bench_batch
+from backend.bench import batch as bench_batch
 
 
 def test_bench_batch_runs_both_servers(tiny_model_dir, tmp_path):

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from backend.bench_cache import Server, WORDS, arbor_server, mlx_lm_server
+from backend.bench.cache import Server, WORDS, arbor_server, mlx_lm_server
 
 CLIENTS = (1, 2, 4, 8, 16)
 
