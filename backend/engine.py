@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
 
+from backend import context_policy
 from backend.api import CacheStats, DoneEvent, GenerateRequest, ModelInfo, TokenEvent
+from backend.context_policy import ContextFit
 from backend.decoding import Decoding, plain_tokens, speculative_tokens
 from backend.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from backend.memory.budgets import CacheBudgets, CacheConfig
@@ -171,6 +174,8 @@ class Engine:
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
                 raise InvalidRequestError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        elif request.continue_reply:
+            ids = self._continuation_ids(request.messages)
         else:
             ids = self.tokenizer.apply_chat_template(request.messages)
         if not ids:
@@ -179,6 +184,34 @@ class Engine:
             raise ContextLengthError(
                 f"prompt is {len(ids)} tokens but the model's context is {self.context_length}")
         return ids
+
+    def _continuation_ids(self, messages: list) -> list[int]:
+        """The prompt that writes on from the last message, an assistant reply cut short: the
+        conversation before it with the assistant's turn opened, then the reply's text."""
+        if not messages or messages[-1].get("role") != "assistant":
+            raise InvalidRequestError("continue_reply needs an assistant message last")
+        opened = self.tokenizer.render_chat_template(messages[:-1], add_generation_prompt=True)
+        return self.tokenizer.encode(opened + str(messages[-1].get("content") or ""))
+
+    def fit(self, request: GenerateRequest, fresh: bool = False) -> ContextFit:
+        """What the model sees of ``request``'s messages under its context-overflow policy
+        (``backend.context_policy``; ``fresh``: no earlier cut is known for this conversation):
+        old turns left out when the conversation outgrows the context. A continued reply and
+        raw ids are taken as they are (or refused as too long)."""
+        if request.messages is None or request.continue_reply:
+            ids = self.prompt_ids(request)
+            return ContextFit(request.messages or [], ids, 0, len(ids), self.context_length)
+        if request.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {request.max_tokens}")
+
+        def measure(message) -> int:
+            content = message.get("content")
+            return len(self.tokenizer.encode(content if isinstance(content, str) else "")) \
+                + context_policy.MESSAGE_OVERHEAD
+
+        return context_policy.fit_conversation(
+            request.messages, request.context_overflow, self.context_length, request.max_tokens,
+            self.tokenizer.apply_chat_template, measure, fresh=fresh)
 
     # -- the prefix cache -----------------------------------------------------------------------
     def cache_stats(self) -> CacheStats:
@@ -276,7 +309,17 @@ class Engine:
         if not self._busy.acquire(blocking=False):
             raise InvalidRequestError("the engine is already generating")
         try:
-            yield from self._generate(request, cancel)
+            fit = self.fit(request)  # 1: old turns left out under the request's policy
+            if fit.dropped:
+                request = replace(request, messages=fit.messages)
+            events = self._generate(request, cancel)
+            try:
+                for event in events:
+                    if fit.dropped and isinstance(event, DoneEvent):
+                        event = replace(event, dropped_messages=fit.dropped)
+                    yield event
+            finally:
+                events.close()  # a caller that stops reading closes the generation too
         finally:
             self._busy.release()
         with self._busy:
