@@ -42,3 +42,7 @@ class ContextLengthError(ArborError):
 
 class InvalidRequestError(ArborError):
     """A generation request is malformed (bad messages, bad sampling values, ...)."""
+
+
+class MissingDependencyError(ArborError):
+    """An optional package a command needs is not installed; the message says how to get it."""

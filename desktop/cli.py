@@ -406,6 +406,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from backend.models.store import ModelStore
     from backend.paths import cache_dir
 
+    if args.against == "mlx-lm":
+        bench.require_mlx_lm()  # before any work: one line saying how to get it
     source = ModelStore().resolve(args.model)
     work = cache_dir() / "bench"
     if args.suite == "cache":
