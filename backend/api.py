@@ -140,3 +140,6 @@ class ModelInfo:
     quantization: str | None  # e.g. "4-bit g32" or None
     context_length: int
     parameter_bytes: int
+    # Drafters beyond prompt lookup that requests can ask for: "model" (a paired draft model is
+    # loaded), "mtp" (the checkpoint's multi-token-prediction head is in use).
+    drafters: tuple[str, ...] = ()

@@ -160,6 +160,7 @@ class Engine:
             quantization=describe_quantization(self.loaded.config),
             context_length=self.context_length,
             parameter_bytes=self.loaded.parameter_bytes,
+            drafters=(self.drafter.kind,) if self.drafter is not None else (),
         )
 
     # -- step 1 --------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from desktop import qt_compat  # noqa: F401,I001  (before any signal is emitted;
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 
 from backend.api import CacheStats, DoneEvent, GenerateRequest, ModelInfo, TokenEvent
+from backend.context_policy import ContextFit
 from backend.memory.budgets import CacheBudgets
 from desktop.worker_handle import Worker, WorkerHandle, describe_error  # noqa: F401 (re-exported)
 
@@ -52,6 +53,8 @@ class ChatEngine(Protocol):
 
     def prefetch(self, messages: list | None = None, prompt_ids: list[int] | None = None,
                  cancel: threading.Event | None = None) -> int: ...
+
+    def fit(self, request: GenerateRequest, fresh: bool = False) -> ContextFit: ...
 
     def cache_stats(self) -> CacheStats: ...
 
@@ -98,6 +101,7 @@ def stats_from_done(done: DoneEvent) -> dict[str, Any]:
         "mean_accepted": round(done.mean_accepted, 3),
         "cached_by_tier": dict(done.cached_by_tier),  # live / device / host / disk
         "restore_s": round(done.restore_s, 4),
+        "dropped_messages": done.dropped_messages,  # left out to fit the context
     }
 
 
@@ -266,11 +270,15 @@ class InferenceClient(WorkerHandle):
         self._task_requested.emit(request_id, task, cancel)
         return request_id
 
-    def prefetch(self, messages: list) -> int:
+    def prefetch(self, messages: list, request: GenerateRequest | None = None) -> int:
         """Bring a conversation's stored state towards the device while the user types;
-        cancelled by the next ``generate``."""
-        request_id = self.run_task(
-            lambda engine, cancel: engine.prefetch(messages=messages, cancel=cancel))
+        cancelled by the next ``generate``. With ``request``, what its context-overflow policy
+        keeps of ``messages`` (what sending it would read)."""
+        def task(engine, cancel):
+            kept = engine.fit(request).messages if request is not None else messages
+            return engine.prefetch(messages=kept, cancel=cancel)
+
+        request_id = self.run_task(task)
         self._prefetches.add(request_id)
         return request_id
 

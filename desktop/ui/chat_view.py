@@ -3,7 +3,9 @@ the composer underneath.
 
 ``ChatView`` is a view in the Qt sense: it never reads the store, it follows the model's row
 signals (reset, insert, remove, data changed) and creates, updates or drops message widgets.
-Long paths show their last ``WINDOW`` messages; "Show earlier messages" reveals more.
+Long paths show their last ``WINDOW`` messages; scrolling near the top (or "Show earlier
+messages") reveals ``REVEAL_STEP`` more above, and the messages on screen stay where they were.
+The column is exactly as wide as the view: no message sets its width (see ``MessageWidget``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from desktop.ui.message_widget import MessageWidget
 
 WINDOW = 60
 REVEAL_STEP = 40
+REVEAL_MARGIN_PX = 48  # scrolled this close to the top, earlier messages are revealed
 
 
 class ChatView(QScrollArea):
@@ -35,6 +38,7 @@ class ChatView(QScrollArea):
 
     edit_submitted = Signal(int, str)
     regenerate_clicked = Signal(int)
+    continue_clicked = Signal(int)
     sibling_requested = Signal(int)
     code_copied = Signal(str)
     message_copied = Signal(int)
@@ -45,7 +49,10 @@ class ChatView(QScrollArea):
         self._renderer = renderer
         self._widgets: list[MessageWidget | None] = []  # parallel to model rows; None = not shown
         self._streaming_ids: set[int] = set()
+        self._waiting: dict[int, str] = {}  # queued reply's message id -> what it waits for
         self._stick_to_bottom = True
+        self._anchor: int | None = None  # distance from the bottom kept while earlier messages appear
+        self._restoring = False
         self.setWidgetResizable(True)
         self.setFrameShape(QFrame.Shape.NoFrame)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -98,6 +105,12 @@ class ChatView(QScrollArea):
             if widget is not None and widget.message_id in changed:
                 widget.update_item(self.model.item(row), streaming=widget.message_id in self._streaming_ids)
 
+    def set_waiting(self, waiting: dict[int, str]) -> None:
+        """Queued replies (message id -> what each waits for); they show "queued" and why."""
+        self._waiting = dict(waiting)
+        for widget in self.message_widgets():
+            widget.set_waiting(self._waiting.get(widget.message_id, ""))
+
     def set_renderer(self, renderer: MarkdownRenderer) -> None:
         self._renderer = renderer
         for widget in self.message_widgets():
@@ -123,7 +136,13 @@ class ChatView(QScrollArea):
         bar.setValue(bar.maximum())
 
     def reveal_earlier(self) -> None:
+        """Show up to ``REVEAL_STEP`` more messages above; what is on screen stays in place."""
         hidden = [row for row, w in enumerate(self._widgets) if w is None]
+        if not hidden:
+            return
+        bar = self.verticalScrollBar()
+        self._anchor = bar.maximum() - bar.value()
+        self._stick_to_bottom = False
         for row in reversed(hidden[-REVEAL_STEP:]):
             self._materialize(row)
         self._earlier.setVisible(any(w is None for w in self._widgets))
@@ -141,6 +160,8 @@ class ChatView(QScrollArea):
         self._earlier.setVisible(first > 0)
         self._empty.setVisible(not self._widgets)
         self._stick_to_bottom = True
+        self._anchor = None
+        self._mark_last()
 
     def _on_rows_inserted(self, parent: QModelIndex, first: int, last: int) -> None:
         for row in range(first, last + 1):
@@ -148,6 +169,8 @@ class ChatView(QScrollArea):
             self._materialize(row)
         self._empty.setVisible(False)
         self._stick_to_bottom = True
+        self._anchor = None
+        self._mark_last()
 
     def _on_rows_removed(self, parent: QModelIndex, first: int, last: int) -> None:
         for widget in self._widgets[first:last + 1]:
@@ -156,6 +179,7 @@ class ChatView(QScrollArea):
                 widget.deleteLater()
         del self._widgets[first:last + 1]
         self._empty.setVisible(not self._widgets)
+        self._mark_last()
 
     def _on_data_changed(self, top_left: QModelIndex, bottom_right: QModelIndex, roles=()) -> None:
         for row in range(top_left.row(), bottom_right.row() + 1):
@@ -169,10 +193,12 @@ class ChatView(QScrollArea):
     def _materialize(self, row: int) -> None:
         item = self.model.item(row)
         widget = MessageWidget(item, self._renderer)
+        widget.waiting = self._waiting.get(item.message.id, "")
         if item.message.id in self._streaming_ids:
             widget.update_item(item, streaming=True)
         widget.edit_submitted.connect(self.edit_submitted)
         widget.regenerate_clicked.connect(self.regenerate_clicked)
+        widget.continue_clicked.connect(self.continue_clicked)
         widget.sibling_requested.connect(self.sibling_requested)
         widget.code_copied.connect(self.code_copied)
         widget.copy_clicked.connect(self.message_copied)
@@ -181,13 +207,33 @@ class ChatView(QScrollArea):
         self._column.insertWidget(1 + shown_before, widget)
         self._widgets[row] = widget
 
+    def _mark_last(self) -> None:
+        shown = self.message_widgets()
+        for widget in shown:
+            widget.set_last(widget is shown[-1])
+
     def _remember_position(self, value: int) -> None:
+        if self._restoring:
+            return
         bar = self.verticalScrollBar()
+        self._anchor = None  # the user scrolled: nothing is held in place any more
         self._stick_to_bottom = value >= bar.maximum() - 24
+        if value <= REVEAL_MARGIN_PX and bar.maximum() > 0 and any(w is None for w in self._widgets):
+            QTimer.singleShot(0, self.reveal_earlier)
 
     def _follow_bottom(self, _minimum: int, maximum: int) -> None:
-        if self._stick_to_bottom:
-            self.verticalScrollBar().setValue(maximum)
+        bar = self.verticalScrollBar()
+        if self._anchor is not None:  # earlier messages appeared above: keep the view still
+            target = maximum - self._anchor
+        elif self._stick_to_bottom:
+            target = maximum
+        else:
+            return
+        self._restoring = True
+        try:
+            bar.setValue(target)
+        finally:
+            self._restoring = False
 
     @staticmethod
     def _unhighlight(widget: MessageWidget) -> None:

@@ -28,6 +28,8 @@ from PySide6.QtWidgets import (
 
 from desktop.store import HIT_END, HIT_START, SearchHit
 from desktop.ui.conversation_list_model import (
+    ACTIVITY_WORDS,
+    ActivityRole,
     ConversationIdRole,
     ConversationListModel,
     IsHeaderRole,
@@ -41,7 +43,8 @@ UNDO_SECONDS = 10
 
 
 class ConversationDelegate(QStyledItemDelegate):
-    """Draws group headers (small, muted) and conversations (title, pin mark, warm badge)."""
+    """Draws group headers (small, muted) and conversations (title, pin mark, warm badge, and
+    what the model does for it: writing, queued, warming up)."""
 
     def sizeHint(self, option: QStyleOptionViewItem, index: QModelIndex) -> QSize:  # noqa: N802
         height = option.fontMetrics.height()
@@ -82,6 +85,18 @@ class ConversationDelegate(QStyledItemDelegate):
             right -= diameter + 6
         if index.data(PinnedRole):
             right = _paint_pin(painter, right, rect.center().y(), palette.color(QPalette.ColorRole.PlaceholderText)) - 6
+        activity = index.data(ActivityRole)
+        if activity:
+            small = QFont(option.font)
+            small.setPointSizeF(max(small.pointSizeF() * 0.85, 7.0))
+            small.setItalic(True)
+            words = ACTIVITY_WORDS[activity]
+            width = QFontMetrics(small).horizontalAdvance(words)
+            painter.setFont(small)
+            painter.setPen(text_color if activity == "generating" else palette.color(QPalette.ColorRole.PlaceholderText))
+            painter.drawText(QRect(right - width, rect.top(), width, rect.height()),
+                             Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignRight, words)
+            right -= width + 6
         painter.setPen(text_color)
         painter.setFont(option.font)
         text_rect = QRect(rect.left() + 12, rect.top(), right - rect.left() - 14, rect.height())

@@ -1,0 +1,44 @@
+"""The main window's size, place and sidebar width, kept between runs (``QSettings``).
+
+Kept in an INI file beside the chat database (``window.ini`` in the data dir), so a data dir
+carries its own window state and ``ARBOR_HOME`` isolates it like everything else; a database in
+memory keeps none.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import QByteArray, QSettings
+from PySide6.QtWidgets import QMainWindow, QSplitter
+
+FILE_NAME = "window.ini"
+
+
+class WindowState:
+    """Saves and restores one window's geometry and its splitter's sizes."""
+
+    def __init__(self, database: str) -> None:
+        self.path = None if database == ":memory:" else Path(database).with_name(FILE_NAME)
+
+    def _settings(self) -> QSettings | None:
+        return None if self.path is None else QSettings(str(self.path), QSettings.Format.IniFormat)
+
+    def restore(self, window: QMainWindow, splitter: QSplitter) -> bool:
+        """Apply what was saved; False when nothing was (the window keeps its defaults)."""
+        settings = self._settings()
+        if settings is None:
+            return False
+        geometry, sizes = settings.value("window/geometry"), settings.value("window/splitter")
+        restored = isinstance(geometry, QByteArray) and window.restoreGeometry(geometry)
+        if isinstance(sizes, QByteArray):
+            restored = splitter.restoreState(sizes) or restored
+        return restored
+
+    def save(self, window: QMainWindow, splitter: QSplitter) -> None:
+        settings = self._settings()
+        if settings is None:
+            return
+        settings.setValue("window/geometry", window.saveGeometry())
+        settings.setValue("window/splitter", splitter.saveState())
+        settings.sync()
