@@ -1,0 +1,215 @@
+"""The app as a daily driver, in the real window offscreen with the real tiny model: a reply
+queued behind another chat's says so (sidebar and message) and its statistics count the wait;
+each chat keeps its half-typed message; titles are the user's first message unless they opt in
+to model titles, which never replace one they typed; the drafting setting offers only what the
+loaded model can do; the window's size and sidebar width come back after a restart; the model
+manager closes with a button."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from PySide6.QtCore import Qt
+
+from desktop.app import create_app
+from desktop.chat_settings import ChatSettings
+from desktop.store import ChatStore
+from desktop.titles import TITLE_MAX_TOKENS
+from desktop.ui.conversation_list_model import ActivityRole
+from tests.desktop.conftest import stream_until
+
+SETTINGS = ChatSettings(temperature=1.0, top_p=1.0, min_p=0.0, max_tokens=24, seed=7)
+
+
+@pytest.fixture
+def launch(qtbot, make_loader, tmp_path):
+    """``launch(allowance=None, db=None)``: the app on a chat store, model loaded, shown;
+    ``parts.engine`` is the gated real engine (``allowance=0`` holds every token)."""
+    started = []
+
+    def start(allowance: int | None = None, db=None):
+        store = ChatStore(db or tmp_path / "chats.sqlite3")
+        store.set_default_settings(SETTINGS)
+        loader = make_loader(allowance)
+        parts = create_app("tiny", loader=loader, store=store, theme="light")
+        started.append(parts)
+        parts.window.show()
+        qtbot.waitExposed(parts.window)
+        qtbot.waitUntil(lambda: parts.window.controller.model_info is not None, timeout=20000)
+        parts.engine = loader.engines[-1]
+        return parts
+
+    yield start
+    for parts in started:
+        if parts.store._db is not None:
+            parts.window.close()
+            assert parts.shutdown(5.0)
+        parts.theme.deleteLater()
+
+
+def send(qtbot, window, text: str) -> None:
+    window.composer.input.setPlainText(text)
+    qtbot.mouseClick(window.composer.send_button, Qt.MouseButton.LeftButton)
+
+
+def idle(window) -> bool:
+    path = window.store.path(window.current_id) if window.current_id is not None else []
+    return not window.client.busy and all(p.message.status != "streaming" for p in path)
+
+
+def row_activity(window, conversation_id: int) -> str:
+    model = window.conversations
+    return model.data(model.index(model.row_of(conversation_id)), ActivityRole)
+
+
+def test_a_reply_queued_behind_another_chat_says_so_and_counts_the_wait(qtbot, launch):
+    parts = launch(allowance=0)
+    w = parts.window
+    send(qtbot, w, "Chat A: tell me a story")
+    a = w.current_id
+    stream_until(qtbot, parts.engine, lambda: bool(w.controller.live_text(w.store.path(a)[-1].message.id)))
+    assert row_activity(w, a) == "generating"
+    seen: list[str] = []  # chat B's sidebar states, in the order they were shown
+    w.conversations.dataChanged.connect(
+        lambda *_: b is not None and w.conversations.row_of(b) is not None
+        and (row_activity(w, b) or "") not in seen[-1:] and seen.append(row_activity(w, b) or ""))
+
+    b = None
+    w.new_chat()
+    send(qtbot, w, "Chat B: and a poem")
+    b = w.current_id
+    sent = time.monotonic()  # B was sent before this
+    assert row_activity(w, b) == "queued" and row_activity(w, a) == "generating"
+    seen.append("queued")
+    widget = w.chat_view.message_widgets()[-1]
+    assert widget.note.text() == "queued"
+    assert widget.detail_text() == "Waiting for the reply in “Chat A: tell me a story” to finish…"
+    stream_until(qtbot, parts.engine, lambda: len(w.controller.live_text(w.store.path(a)[-1].message.id)) > 10)
+    still_queued = time.monotonic()  # B is still waiting here, while A streams
+    assert row_activity(w, b) == "queued" and w.controller.waiting_for(b)
+    parts.engine.open()
+    qtbot.waitUntil(lambda: idle(w), timeout=30000)
+
+    assert seen[:3] == ["queued", "generating", ""]  # then nothing: it ended
+    assert row_activity(w, a) == "" and row_activity(w, b) == ""
+    stats = w.store.path(b)[-1].message.stats
+    # The wait is stored apart, and the time to first token counts from the send: it holds the
+    # wait (at least as long as the test saw B queued) and the model's own time to first token.
+    assert stats["queue_s"] >= still_queued - sent > 0
+    assert stats["ttft_s"] > stats["queue_s"]
+    line = w.chat_view.message_widgets()[-1].stats_label.text()
+    assert line.startswith(f"{stats['ttft_s']:.2f} s to first token ({stats['queue_s']:.2f} s waiting)")
+
+
+def test_each_chat_keeps_its_half_typed_message_also_after_a_restart(qtbot, launch, tmp_path):
+    db = tmp_path / "drafts.sqlite3"
+    parts = launch(db=db)
+    w = parts.window
+    send(qtbot, w, "first chat")
+    qtbot.waitUntil(lambda: idle(w), timeout=30000)
+    a = w.current_id
+    w.new_chat()
+    send(qtbot, w, "second chat")
+    qtbot.waitUntil(lambda: idle(w), timeout=30000)
+    b = w.current_id
+    qtbot.keyClicks(w.composer.input, "half a thought for B")
+    w.open_conversation(a)
+    assert w.composer.input.toPlainText() == ""  # B's words stay with B
+    qtbot.keyClicks(w.composer.input, "something for A")
+    w.new_chat()
+    assert w.composer.input.toPlainText() == ""
+    w.open_conversation(b)
+    assert w.composer.input.toPlainText() == "half a thought for B"
+    w.open_conversation(a)
+    assert w.composer.input.toPlainText() == "something for A"
+    qtbot.mouseClick(w.composer.send_button, Qt.MouseButton.LeftButton)  # sent: A's draft is gone
+    qtbot.waitUntil(lambda: idle(w), timeout=30000)
+    assert w.composer.input.toPlainText() == ""
+    w.open_conversation(b)
+    w.close()
+    assert parts.shutdown(5.0)
+
+    w = launch(db=db).window
+    assert w.current_id == b and w.composer.input.toPlainText() == "half a thought for B"
+    w.open_conversation(a)
+    assert w.composer.input.toPlainText() == ""
+
+
+def title_requests(engine) -> list:
+    return [r for r in engine.requests if r.max_tokens == TITLE_MAX_TOKENS and r.sampling.temperature == 0.0]
+
+
+def test_titles_are_the_first_message_unless_model_titles_are_chosen(qtbot, launch):
+    parts = launch()
+    w = parts.window
+    assert not w.model_titles_action.isChecked()
+    send(qtbot, w, "How do I   reverse a list in Python?")
+    qtbot.waitUntil(lambda: idle(w), timeout=30000)
+    assert w.store.conversation(w.current_id).title == "How do I reverse a list in Python?"
+    assert title_requests(parts.engine) == []  # the model was never asked for one
+
+    w.model_titles_action.trigger()  # opt in
+    assert w.store.app_setting("auto_title_with_model") is True
+    w.new_chat()
+    send(qtbot, w, "Tell me about gardens")
+    qtbot.waitUntil(lambda: idle(w) and len(title_requests(parts.engine)) == 1, timeout=30000)
+    # A title the user typed is never replaced, even with model titles on.
+    parts.engine.hold()
+    w.new_chat()
+    send(qtbot, w, "What is a river?")
+    w.rename_conversation(w.current_id, "My rivers")
+    parts.engine.open()
+    qtbot.waitUntil(lambda: idle(w), timeout=30000)
+    assert w.store.conversation(w.current_id).title == "My rivers"
+    assert len(title_requests(parts.engine)) == 1
+
+
+def test_drafting_choices_are_what_the_loaded_model_can_do(qtbot, launch):
+    parts = launch()
+    w = parts.window
+    assert w.controller.model_info.drafters == ()  # the tiny model alone: no pair, no head
+    send(qtbot, w, "hello")
+    qtbot.waitUntil(lambda: idle(w), timeout=30000)
+    # A chat whose stored choice this model cannot do (set with another model, or imported).
+    w.store.set_settings(w.current_id, ChatSettings(**{**SETTINGS.to_dict(), "speculation": "model"}))
+    dialog = w.open_chat_settings()
+    items = dialog.speculation.model()
+    offered = {dialog.speculation.itemData(i): items.item(i).isEnabled() for i in range(dialog.speculation.count())}
+    assert offered == {"auto": True, "model": False, "mtp": False, "lookup": True, "none": True}
+    assert dialog.speculation.currentData() == "auto"
+    name = w.controller.model_info.name
+    assert f"{name} has no paired draft model" in dialog.speculation_note.text()
+    assert "no multi-token-prediction head" in dialog.speculation_note.text()
+    assert dialog.speculation_note.isVisibleTo(dialog)
+    dialog.reject()
+    send(qtbot, w, "and again")  # the reply comes (drafting never changes it), not an error
+    qtbot.waitUntil(lambda: idle(w), timeout=30000)
+    reply = w.store.path(w.current_id)[-1].message
+    assert reply.status == "complete" and parts.engine.requests[-1].draft == "auto"
+
+
+def test_window_size_and_sidebar_width_come_back_after_a_restart(qtbot, launch, tmp_path):
+    db = tmp_path / "geometry.sqlite3"
+    parts = launch(db=db)
+    w = parts.window
+    # (Within the offscreen platform's screen, which restoring a geometry keeps a window on.)
+    w.resize(760, 560)
+    qtbot.waitUntil(lambda: w.width() == 760 and w.height() == 560)
+    w.splitter.setSizes([300, 760 - 300 - w.splitter.handleWidth()])
+    sizes = w.splitter.sizes()
+    assert sizes[0] == 300
+    w.close()
+    assert parts.shutdown(5.0)
+
+    w = launch(db=db).window
+    qtbot.waitUntil(lambda: (w.width(), w.height()) == (760, 560), timeout=5000)
+    assert w.splitter.sizes() == sizes
+    # A small window narrows the chat, never the sidebar below its minimum.
+    w.resize(700, 500)
+    qtbot.waitUntil(lambda: w.width() == 700)
+    assert w.sidebar.width() >= 180
+    manager = w.open_model_manager()
+    assert manager.isVisible()
+    qtbot.mouseClick(manager.close_button, Qt.MouseButton.LeftButton)
+    assert not manager.isVisible()
