@@ -67,6 +67,7 @@ class Harness:
         for cache in self.caches:
             assert cache.held() == held, f"{cache.kind} after commit"
         self.pc.check_invariants()
+        assert self.pc.faults == 0, "an operation failed inside the prefix cache (see the log)"
         return resume
 
     def _write(self, tokens):
@@ -330,8 +331,15 @@ def test_prefetch_promotes_without_running_the_model(harness, tmp_path):
     written = [c.written for c in h2.caches]
     assert h2.pc.prefetch(turn(a, [2], [3])) == len(a) + 1
     assert [c.written for c in h2.caches] == written
+    reads = []
+    read = h2.pc.disk.read
+    h2.pc.disk.read = lambda *args: reads.append(args) or read(*args)
     r = h2.request(turn(a, [2], [3]), [4])
-    assert r.by_tier["disk"] == 0 and r.by_tier["device"] == len(a) + 1
+    assert not reads, "the prefetch already brought the state to the device"
+    # ... and the reply still says where it came from: the disk, read by the prefetch
+    assert r.by_tier["disk"] == len(a) + 1 and r.by_tier["device"] == 0
+    r = h2.request(turn(a, [2], [3], [4], [5]), [6])  # credited once: now it is device / live
+    assert r.by_tier["disk"] == 0
     h2.pc.close()
 
 
@@ -441,6 +449,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return
         self.h.pc.check_invariants()
         assert self.h.pc.within_budgets(), self.h.pc.stats()
+        assert self.h.pc.faults == 0, "an operation failed inside the prefix cache (see the log)"
 
     def teardown(self):
         if getattr(self, "h", None) is not None:

@@ -149,7 +149,11 @@ class Cache(Protocol):
 
     def merge(self, first: Snapshot, second: Snapshot) -> Snapshot: ...
 
-    def split(self, snapshot: Snapshot, at: int) -> tuple[Snapshot | None, Snapshot]: ...
+    def split(self, snapshot: Snapshot, at: int) -> tuple[Snapshot | None, Snapshot]:
+        """``snapshot`` cut at ``at`` into ``[start, at)`` (None for a state kind) and
+        ``[at, end)``. It consumes ``snapshot``, also when it raises: the caller never uses or
+        closes it again."""
+        ...
 
     def arrays(self) -> list[mx.array]:
         """The arrays holding the live state, for ``mx.eval`` after a write."""

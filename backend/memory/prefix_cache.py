@@ -42,61 +42,68 @@ disk -> dropped; the live conversation's path goes last. A running request locks
 restored (``begin`` .. ``commit``): a locked node is never dropped, and loses a copy only when
 another tier holds one or the live caches do (then it becomes free views of them). Budgets are
 exact bytes (``nbytes`` of arrays, file sizes) and are never exceeded between steps.
+
+Faults. The cache is an optimization and never fails a turn. Each public operation is a fault
+boundary (``_fault_boundary``): whatever raises inside it (a cache, the disk, a bug), the
+operation ends in a consistent state (``_recover``: the live caches dropped, no request left
+running, no lock held, every node that lost its data or a part of it forgotten with its
+subtree, the counters rebuilt), says so in one log line per kind of failure, and answers as a
+cache that had nothing: ``begin`` restores nothing (the engine prefills the whole prompt),
+``prefetch`` brings nothing, ``commit`` and ``persist`` store nothing. Misuse by the caller
+(``begin`` while a request runs, an empty prompt, ``commit`` with none) still raises
+``PrefixCacheMisuse``. The disk tier has its own boundary (``disk.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from backend.api import CacheStats, TierStats
+from backend.api import CacheStats
 from backend.memory.budgets import CacheBudgets
-from backend.memory.disk import DiskEntry, DiskStore, new_node_id
-from backend.memory.records import LayerRecords, records_nbytes
+from backend.memory.disk import DiskStore
+from backend.memory.records import LayerRecords
+from backend.memory.tiers import TIERS, NodeData, TierLedger, close_all
 from backend.memory.trie import PrefixTrie, TokenIds, TrieNode, as_ids, common_prefix_length
 
 log = logging.getLogger(__name__)
 
-TIERS = ("device", "host", "disk")
 CAPTURE_INTERVAL = 4096
 PRE_END = 4
 
 
-class NodeData:
-    """What a node stores, and on which tiers (see the module docstring)."""
+class PrefixCacheMisuse(RuntimeError, ValueError):
+    """The caller broke the protocol (not a fault of the cache): this one is raised."""
 
-    __slots__ = ("id", "layers", "device", "host", "disk", "device_bytes", "host_bytes")
 
-    def __init__(self, layers: Sequence[bool], node_id: str | None = None) -> None:
-        self.id = node_id or new_node_id()
-        self.layers = tuple(layers)  # which layers have a snapshot at this node
-        self.device: list | None = None
-        self.host: LayerRecords | None = None
-        self.disk: DiskEntry | None = None
-        self.device_bytes = 0
-        self.host_bytes = 0
+def _fault_boundary(on_fault: Callable):
+    """Run a public operation so that a fault inside it leaves the cache consistent
+    (``_recover``) and the operation answers ``on_fault(self, *args)``. Calls from inside
+    another guarded operation run unguarded: the outer one recovers."""
 
-    @property
-    def on_device(self) -> bool:
-        return self.device is not None
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            if self._guarding:
+                return method(self, *args, **kwargs)
+            self._guarding = True
+            try:
+                return method(self, *args, **kwargs)
+            except PrefixCacheMisuse:
+                raise
+            except Exception as exc:
+                self._recover(method.__name__, exc)
+                return on_fault(self, *args, **kwargs)
+            finally:
+                self._guarding = False
 
-    @property
-    def on_host(self) -> bool:
-        return self.host is not None
+        return guarded
 
-    @property
-    def on_disk(self) -> bool:
-        return self.disk is not None
-
-    @property
-    def disk_bytes(self) -> int:
-        return 0 if self.disk is None else self.disk.nbytes
-
-    def tiers(self) -> int:
-        return self.on_device + self.on_host + self.on_disk
+    return wrap
 
 
 @dataclass(frozen=True)
@@ -133,26 +140,41 @@ class PrefixCache:
         self.live = array("i")  # the token ids the live caches hold, always a stored prefix
         self._locked: TrieNode | None = None  # deepest node of the running request's path
         self._request: _Request | None = None
-        self._bytes = dict.fromkeys(TIERS, 0)
-        self._entries = dict.fromkeys(TIERS, 0)
-        self.hits = dict.fromkeys(("live",) + TIERS, 0)
-        self.evictions = dict.fromkeys(TIERS, 0)
-        self._lazy: set[TrieNode] = set()  # nodes with device snapshots still viewing live buffers
+        self.tiers = TierLedger(disk)
         self._unpersisted: list[TrieNode] = []
+        self._guarding = False  # inside a public operation's fault boundary
+        self._faults_logged: set[str] = set()
+        self.faults = 0  # operations a fault ended early (tests and stats read this)
         if self.disk is not None:
-            self._load_disk_index(self.disk)
-        elif disk is not None:
-            disk.close()
+            self._start_from_disk()
+
+    @_fault_boundary(lambda self: None)
+    def _start_from_disk(self) -> None:
+        self._load_disk_index(self.disk)
 
     # ============================================================================================
     # 1. begin: restore the longest stored prefix
     # ============================================================================================
     def begin(self, prompt: TokenIds) -> Resume:
+        """Restore the longest stored prefix of ``prompt`` into the live caches and schedule
+        this prefill's captures. After a fault: nothing restored (``cached`` 0, the caches
+        empty and ready for the whole prompt)."""
         if self._request is not None:
-            raise RuntimeError("begin() while a request is running: commit or abort it first")
+            raise PrefixCacheMisuse("begin() while a request is running: commit or abort it "
+                                    "first")
         prompt = as_ids(prompt)
         if not prompt:
-            raise ValueError("an empty prompt has no token to evaluate")
+            raise PrefixCacheMisuse("an empty prompt has no token to evaluate")
+        return self._begin(prompt)
+
+    def _cold_begin(self, prompt: array) -> Resume:
+        """What ``begin`` answers after a fault: a request that restored nothing (the live
+        caches were dropped by ``_recover``) and captures nothing."""
+        self._request = _Request(prompt, 0)
+        return Resume(0, dict.fromkeys(("live",) + TIERS, 0), 0.0)
+
+    @_fault_boundary(_cold_begin)
+    def _begin(self, prompt: array) -> Resume:
         t0 = time.perf_counter()
         self.persist()
         while True:
@@ -176,7 +198,7 @@ class PrefixCache:
         self._request = request
         self._enforce_budgets()
         for tier, n in by_tier.items():
-            self.hits[tier] += n
+            self.tiers.hits[tier] += n
         return Resume(target, by_tier, time.perf_counter() - t0)
 
     def _deepest_reachable(self, path: list[TrieNode], limit: int, live_common: int) -> int:
@@ -235,6 +257,7 @@ class PrefixCache:
                 paged = True
             else:
                 ok = cache.restore(ends[target].data.device[j], target)
+                paged = True
             if not ok or cache.offset != target:
                 raise RuntimeError(f"restore of layer {j} to {target} failed "
                                    f"(offset {cache.offset}): the trie and the caches disagree")
@@ -247,6 +270,8 @@ class PrefixCache:
             lo, hi = max(node.start, rewind), min(node.end, target)
             if hi > lo:
                 by_tier[sources.get(id(node), "device")] += hi - lo
+            if node.data is not None and node.start < target:
+                node.data.loaded_from = None  # a prefetch's source is credited once
         return by_tier
 
     def _capture_offsets(self, cached: int, limit: int, n: int) -> list[int]:
@@ -261,12 +286,16 @@ class PrefixCache:
     # ============================================================================================
     def attach_captures(self, held: TokenIds) -> None:
         """Take the scheduled captures from every cache and store the ones the writes crossed
-        (``held``: the ids the caches hold now). Also right after a cancelled prefill."""
+        (``held``: the ids the caches hold now). Also right after a cancelled prefill. After a
+        fault nothing is stored and the request goes on (the live caches are untouched)."""
         request = self._require_request()
         if request.attached:
             return
         request.attached = True
-        held = as_ids(held)
+        self._attach_captures(request, as_ids(held))
+
+    @_fault_boundary(lambda self, request, held: None)
+    def _attach_captures(self, request: _Request, held: array) -> None:
         rows = [cache.take_snapshots() for cache in self.caches]
         for cache in self.caches:
             cache.cancel_snapshots()
@@ -276,19 +305,19 @@ class PrefixCache:
         for i, offset in enumerate(request.offsets[:len(rows[0]) if rows else 0]):
             row = [r[i] for r in rows]
             if offset > len(held):
-                _close_all(row)
+                close_all(row)
                 continue
             self._attach(held, offset, row)
 
     def _attach(self, held: array, offset: int, row: list) -> None:
         node = self._node_ending_at(held, offset)
         if node is None:
-            _close_all(row)
+            close_all(row)
             return
         if node.data is None:  # a new node: the captures are its data
             clipped = [self._clip(j, snap, node.start) for j, snap in enumerate(row)]
             if any(snap is None for j, snap in enumerate(clipped) if self.kinds[j] == "span"):
-                _close_all(clipped)  # a capture did not cover the whole edge: leave no node
+                close_all(clipped)  # a capture did not cover the whole edge: leave no node
                 self.trie.remove_leaf(node)
                 return
             self._new_data(node, clipped)
@@ -319,9 +348,13 @@ class PrefixCache:
     # 3. commit: record the generated segment; abort
     # ============================================================================================
     def commit(self, held: TokenIds) -> None:
-        """End the request: the caches hold ``held`` (prompt + what was generated and fed)."""
+        """End the request: the caches hold ``held`` (prompt + what was generated and fed).
+        After a fault the request ends with nothing recorded and the live caches dropped."""
         self._require_request()
-        held = as_ids(held)
+        self._commit(as_ids(held))
+
+    @_fault_boundary(lambda self, held: None)
+    def _commit(self, held: array) -> None:
         self.attach_captures(held)
         if any(cache.offset != len(held) for cache in self.caches):
             raise RuntimeError(f"commit({len(held)} tokens) but the caches are at "
@@ -361,11 +394,12 @@ class PrefixCache:
         self._add_layers(node, missing)
         return node
 
+    @_fault_boundary(lambda self: None)
     def abort(self) -> None:
         """The request failed while writing: drop the live caches (a half-written cache is never
         reused) and its captures. Stored nodes are untouched (lazy views copy out first)."""
         for cache in self.caches:
-            _close_all(cache.take_snapshots())
+            close_all(cache.take_snapshots())
             cache.cancel_snapshots()
             cache.free()
         self._request = None
@@ -397,11 +431,12 @@ class PrefixCache:
         The pinned position (the last live token) always lies before ``at``, so a lock on
         ``node`` moves to the upper part."""
         readable = self._load_device(node) is not None
-        if readable:  # span snapshots are cut in two; a state belongs to the lower part's end
-            parts = [(None, None) if snap is None
-                     else self.caches[j].split(snap, at) if self.kinds[j] == "span"
-                     else (None, snap) for j, snap in enumerate(node.data.device)]
-        upper = self.trie.split(node, at)
+        parts = self._split_snapshots(node, at) if readable else []
+        try:
+            upper = self.trie.split(node, at)
+        except BaseException:
+            close_all(p for pair in parts for p in pair)
+            raise
         if self._locked is node:
             self._relock(upper)
         if not readable:
@@ -410,16 +445,34 @@ class PrefixCache:
             self._new_data(upper, [c.snapshot(upper.start, at) if k == "span" else None
                                    for c, k in zip(self.caches, self.kinds)])
             return upper
-        self._drop_host(node)
-        self._drop_disk(node)
-        self._set_device(node, [b for _, b in parts])
+        self.tiers.drop_host(node)
+        self.tiers.drop_disk(node)
+        self.tiers.set_device(node, [b for _, b in parts])
         self._new_data(upper, [a for a, _ in parts])
         self._unpersisted.append(node)
         return upper
 
+    def _split_snapshots(self, node: TrieNode, at: int) -> list[tuple]:
+        """The node's device snapshots cut at ``at``: span snapshots in two, a state goes with
+        the lower part's end. They leave the node first (a split consumes its snapshot), so a
+        fault half way never leaves the node holding one that is gone."""
+        snaps = node.data.device
+        self.tiers.drop_device(node)
+        parts: list[tuple] = []
+        try:
+            for j, snap in enumerate(snaps):
+                parts.append((None, None) if snap is None
+                             else self.caches[j].split(snap, at) if self.kinds[j] == "span"
+                             else (None, snap))
+        except BaseException:
+            close_all(p for pair in parts for p in pair)
+            close_all(snaps[len(parts) + 1:])  # never handed to a split
+            raise
+        return parts
+
     def _new_data(self, node: TrieNode, snaps: list) -> None:
         node.data = NodeData([s is not None for s in snaps])
-        self._set_device(node, snaps)
+        self.tiers.set_device(node, snaps)
         self._unpersisted.append(node)
 
     def _add_layers(self, node: TrieNode, snaps: dict[int, object]) -> None:
@@ -427,20 +480,27 @@ class PrefixCache:
         snaps = {j: s for j, s in snaps.items() if s is not None}
         if not snaps:
             return
-        if self._load_device(node) is None:
-            _close_all(snaps.values())
+        if self._load_device(node) is None:  # its only copy was unreadable: forget it
+            close_all(snaps.values())
+            self._forget_unreadable(node)
             return
         device = list(node.data.device)
         for j, snap in snaps.items():
             device[j] = snap
-        self._drop_host(node)
-        self._drop_disk(node)
-        self._set_device(node, device, tuple(s is not None for s in device))
+        self.tiers.drop_host(node)
+        self.tiers.drop_disk(node)
+        self.tiers.set_device(node, device, tuple(s is not None for s in device))
         self._unpersisted.append(node)
 
     def _forget_unreadable(self, node: TrieNode) -> None:
         """A node's data could not be read: forget it and everything below it (what the live
-        caches hold stays valid: they are the truth for ``self.live``)."""
+        caches hold stays valid: they are the truth for ``self.live``). A running request's
+        lock inside it goes too: what it pinned is gone."""
+        locked = self._locked
+        while locked is not None and locked is not node:
+            locked = locked.parent
+        if locked is node:
+            self._relock(None)
         self._forget_subtree(node)
 
     def _forget_subtree(self, node: TrieNode) -> None:
@@ -449,17 +509,8 @@ class PrefixCache:
         self._drop_node(node)
 
     def _drop_node(self, node: TrieNode) -> None:
-        self._clear_data(node)
+        self.tiers.clear(node)
         self.trie.remove_leaf(node)
-
-    def _clear_data(self, node: TrieNode) -> None:
-        if node.data is None:
-            return
-        if node.data.on_device:
-            _close_all(node.data.device)
-            self._drop_device(node)
-        self._drop_host(node)
-        self._drop_disk(node)
 
     # ============================================================================================
     # Locks: the running request pins the path it restored (begin .. commit)
@@ -470,73 +521,6 @@ class PrefixCache:
         if self._locked is not None and self._locked.parent is not None:
             self.trie.unlock(self._locked)
         self._locked = node
-
-    # ============================================================================================
-    # Tier transitions (the only places that change residency and the counters)
-    # ============================================================================================
-    def _set_device(self, node: TrieNode, snaps: list, layers: tuple | None = None) -> None:
-        data = node.data
-        if data.on_device:
-            self._drop_device(node)
-        if layers is not None:
-            data.layers = layers
-        data.device = list(snaps)
-        data.device_bytes = sum(s.nbytes for s in snaps if s is not None)
-        self._bytes["device"] += data.device_bytes
-        self._entries["device"] += 1
-        if any(s is not None and s.is_lazy for s in snaps):
-            self._lazy.add(node)
-
-    def _drop_device(self, node: TrieNode) -> None:
-        """Forget the device copy (the caller closed or handed on its snapshots)."""
-        data = node.data
-        if not data.on_device:
-            return
-        self._bytes["device"] -= data.device_bytes
-        self._entries["device"] -= 1
-        data.device, data.device_bytes = None, 0
-        self._lazy.discard(node)
-
-    def _refresh_lazy(self) -> None:
-        """Lazy views that the live caches copied out since now cost their bytes."""
-        for node in list(self._lazy):
-            data = node.data
-            now = sum(s.nbytes for s in data.device if s is not None)
-            self._bytes["device"] += now - data.device_bytes
-            data.device_bytes = now
-            if not any(s is not None and s.is_lazy for s in data.device):
-                self._lazy.discard(node)
-
-    def _set_host(self, node: TrieNode, records: LayerRecords) -> None:
-        data = node.data
-        self._drop_host(node)
-        data.host, data.host_bytes = records, records_nbytes(records)
-        self._bytes["host"] += data.host_bytes
-        self._entries["host"] += 1
-
-    def _drop_host(self, node: TrieNode) -> None:
-        data = node.data
-        if data is None or not data.on_host:
-            return
-        self._bytes["host"] -= data.host_bytes
-        self._entries["host"] -= 1
-        data.host, data.host_bytes = None, 0
-
-    def _set_disk(self, node: TrieNode, entry: DiskEntry) -> None:
-        self._drop_disk(node, delete=False)
-        node.data.disk = entry
-        self._bytes["disk"] += entry.nbytes
-        self._entries["disk"] += 1
-
-    def _drop_disk(self, node: TrieNode, delete: bool = True) -> None:
-        data = node.data
-        if data is None or not data.on_disk:
-            return
-        if delete and self.disk is not None:
-            self.disk.delete(data.id)
-        self._bytes["disk"] -= data.disk_bytes
-        self._entries["disk"] -= 1
-        data.disk = None
 
     # -- moves between tiers (built on the transitions) ------------------------------------------
     def _records(self, node: TrieNode) -> LayerRecords | None:
@@ -551,24 +535,32 @@ class PrefixCache:
             return self.disk.read(data.disk, len(self.caches))
         return None
 
-    def _load_device(self, node: TrieNode) -> str | None:
-        """Make sure the node has a device copy; the tier it came from, None if unreadable."""
+    def _load_device(self, node: TrieNode, prefetch: bool = False) -> str | None:
+        """Make sure the node has a device copy; the tier it came from (for a copy a prefetch
+        brought, the tier the prefetch read), None if unreadable. ``prefetch``: remember the
+        source for the restore that uses the copy."""
         data = node.data
         if data.on_device:
-            return "device"
+            return data.loaded_from or "device"
         source = "host" if data.on_host else "disk"
         records = self._records(node)
         if records is None or [r is not None for r in records] != list(data.layers):
             if source == "disk":
-                self._drop_disk(node)
+                self.tiers.drop_disk(node)
             return None
-        self._set_device(node, [None if r is None else self.caches[j].import_snapshot(r)
-                                for j, r in enumerate(records)])
+        self.tiers.set_device(node, [None if r is None else self.caches[j].import_snapshot(r)
+                                     for j, r in enumerate(records)])
+        if prefetch:
+            data.loaded_from = source
         return source
 
     def _write_disk(self, node: TrieNode) -> bool:
         if self.disk is None or node.data.on_disk or self.budgets.disk_bytes <= 0:
             return node.data.on_disk
+        if not self.disk.writable():
+            if self.disk.retrying:
+                self._unpersisted.append(node)  # written once the disk takes writes again
+            return False
         records = self._records(node)
         if records is None:
             return False
@@ -577,8 +569,10 @@ class PrefixCache:
         entry = self.disk.write(node.data.id, parent_id, node.start, node.tokens.tolist(),
                                 records, node.last_used)
         if entry is None:
+            if self.disk.retrying:
+                self._unpersisted.append(node)
             return False
-        self._set_disk(node, entry)
+        self.tiers.set_disk(node, entry)
         for child in node.children.values():  # children stored before a split name the old id
             if child.data is not None and child.data.on_disk:
                 self.disk.set_parent(child.data.id, node.data.id)
@@ -587,6 +581,7 @@ class PrefixCache:
     # ============================================================================================
     # 4. persistence and budgets
     # ============================================================================================
+    @_fault_boundary(lambda self: None)
     def persist(self) -> None:
         """Write nodes created since the last call to disk (parents first)."""
         pending, self._unpersisted = self._unpersisted, []
@@ -596,33 +591,34 @@ class PrefixCache:
         self._enforce_budgets()
 
     def _enforce_budgets(self) -> None:
-        self._refresh_lazy()
+        self.tiers.refresh_lazy()
         self._shrink("device", self.budgets.device_bytes, self._evict_device)
         self._shrink("host", self.budgets.host_bytes, self._evict_host)
         self._shrink("disk", self.budgets.disk_bytes if self.disk else 0, self._evict_disk)
 
     def _shrink(self, tier: str, budget: int, evict: Callable[[TrieNode], bool]) -> None:
-        if self._bytes[tier] <= budget:
+        if self.tiers.bytes[tier] <= budget:
             return
         live = {id(n) for n in self.trie.match(self.live).path}
         resident = [n for n in self.trie.nodes() if getattr(n.data, f"{tier}_bytes") > 0]
         # The live conversation's path last, then oldest first, deeper first on ties.
         resident.sort(key=lambda n: (id(n) in live, n.last_used, -n.start))
         for node in resident:
-            if self._bytes[tier] <= budget:
+            if self.tiers.bytes[tier] <= budget:
                 break
             if node.parent is not None and evict(node):  # still in the trie, and moved
-                self.evictions[tier] += 1
+                self.tiers.evictions[tier] += 1
 
     def _evict_device(self, node: TrieNode) -> bool:
         data = node.data
         if self.budgets.host_bytes > 0 and not data.on_host:
-            self._set_host(node, self._records(node))  # the next tier down, even if on disk
+            self.tiers.set_host(node, self._records(node))  # the next tier down, even if on disk
         elif not (data.on_host or data.on_disk):
             self._write_disk(node)
         if data.on_host or data.on_disk:
-            _close_all(data.device)
-            self._drop_device(node)
+            snaps = data.device
+            self.tiers.drop_device(node)
+            close_all(snaps)
             return True
         return self._shed(node)
 
@@ -631,14 +627,14 @@ class PrefixCache:
         if not data.on_disk:
             self._write_disk(node)
         if data.on_disk or data.on_device:
-            self._drop_host(node)
+            self.tiers.drop_host(node)
             return True
         return self._shed(node)
 
     def _evict_disk(self, node: TrieNode) -> bool:
         data = node.data
         if data.on_device or data.on_host:
-            self._drop_disk(node)
+            self.tiers.drop_disk(node)
             return True
         return self._shed(node)
 
@@ -652,8 +648,8 @@ class PrefixCache:
         if node.end <= len(self.live) and self._on_live_path(node):
             views = [c.snapshot(node.start, node.end) if k == "span" else None
                      for c, k in zip(self.caches, self.kinds)]
-            self._clear_data(node)
-            self._set_device(node, views, tuple(v is not None for v in views))
+            self.tiers.clear(node)
+            self.tiers.set_device(node, views, tuple(v is not None for v in views))
             return True
         if node.locks == 0:
             self._forget_subtree(node)
@@ -686,7 +682,7 @@ class PrefixCache:
                 node.data = NodeData(row.layers, row.node_id)
                 node.last_used = row.last_used
                 clock = max(clock, row.last_used)
-                self._set_disk(node, row.entry)
+                self.tiers.set_disk(node, row.entry)
                 placed += 1
                 stack.append((node, row.node_id))
         for orphans in by_parent.values():  # parents that were never stored or were dropped
@@ -700,15 +696,18 @@ class PrefixCache:
     # ============================================================================================
     def prefetch(self, prompt: TokenIds, should_stop: Callable[[], bool] = lambda: False) -> int:
         """Bring the stored part of ``prompt`` onto the device without running the model;
-        returns how many of its tokens are now there."""
+        returns how many of its tokens are now there (0 after a fault)."""
         self._require_idle()
-        prompt = as_ids(prompt)
+        return self._prefetch(as_ids(prompt), should_stop)
+
+    @_fault_boundary(lambda self, prompt, should_stop: 0)
+    def _prefetch(self, prompt: array, should_stop: Callable[[], bool]) -> int:
         match = self.trie.match(prompt)
         ready = 0
         for node in match.path:
             if should_stop():
                 break
-            if self._load_device(node) is None:
+            if self._load_device(node, prefetch=True) is None:
                 self._forget_unreadable(node)
                 break
             ready = min(node.end, match.length)
@@ -720,11 +719,19 @@ class PrefixCache:
         """New budgets, enforced at once."""
         self._require_idle()
         self.budgets = budgets
+        self._guarded_enforce_budgets()
+
+    @_fault_boundary(lambda self: None)
+    def _guarded_enforce_budgets(self) -> None:
         self._enforce_budgets()
 
     def clear(self) -> None:
         """Forget every stored prefix (all tiers) and the live caches."""
         self._require_idle()
+        self._clear()
+
+    @_fault_boundary(lambda self: self._drop_everything())
+    def _clear(self) -> None:
         for cache in self.caches:
             cache.free()
         self.live = array("i")
@@ -742,8 +749,16 @@ class PrefixCache:
             self.persist()
         if self.disk is None:
             return
+        try:
+            self._forget_disk_copies()
+        finally:
+            self.disk.close()
+            self.disk = self.tiers.disk = None
+
+    @_fault_boundary(lambda self: None)
+    def _forget_disk_copies(self) -> None:
         for node in list(self.trie.nodes()):
-            self._drop_disk(node, delete=False)
+            self.tiers.drop_disk(node, delete=False)
         stack = list(self.trie.root.children.values())
         while stack:
             node = stack.pop()
@@ -751,26 +766,23 @@ class PrefixCache:
                 self._forget_subtree(node)
             else:
                 stack.extend(node.children.values())
-        self.disk.close()
-        self.disk = None
 
     def stats(self) -> CacheStats:
-        self._refresh_lazy()
+        self.tiers.refresh_lazy()
         budgets = (self.budgets.device_bytes, self.budgets.host_bytes,
                    self.budgets.disk_bytes if self.disk else 0)
-        tiers = {t: TierStats(self._bytes[t], budget, self._entries[t], self.hits[t],
-                              self.evictions[t]) for t, budget in zip(TIERS, budgets)}
-        return CacheStats(tiers=tiers, nodes=len(self.trie), live_tokens=len(self.live),
-                          live_hits=self.hits["live"],
-                          disk_read_only=self.disk is not None and self.disk.read_only)
+        disk = self.disk
+        return CacheStats(tiers=self.tiers.tier_stats(budgets), nodes=len(self.trie),
+                          live_tokens=len(self.live), live_hits=self.tiers.hits["live"],
+                          disk_read_only=disk is not None and disk.read_only,
+                          disk_mode=disk.mode if disk is not None else "off",
+                          disk_note=disk.note if disk is not None else "no disk tier")
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant (tests call this after every
         operation): trie structure, node data per tier, counter identities, the one lock."""
         self.trie.check()
-        self._refresh_lazy()
-        total = dict.fromkeys(TIERS, 0)
-        count = dict.fromkeys(TIERS, 0)
+        self.tiers.refresh_lazy()
         for node in self.trie.nodes():
             data = node.data
             assert data is not None, f"{node} has no data"
@@ -789,11 +801,9 @@ class PrefixCache:
                         assert s.start == node.start, f"{node}: span snapshot starts {s.start}"
             if data.on_host:
                 assert [r is not None for r in data.host] == list(data.layers)
-            for tier in TIERS:
-                total[tier] += getattr(data, f"{tier}_bytes")
-                count[tier] += getattr(data, f"on_{tier}")
-        assert total == self._bytes, f"byte counters {self._bytes} != stored {total}"
-        assert count == self._entries, f"entry counters {self._entries} != stored {count}"
+        total, count = self.tiers.stored(self.trie.nodes())
+        assert total == self.tiers.bytes, f"byte counters {self.tiers.bytes} != stored {total}"
+        assert count == self.tiers.entries, f"entry counters {self.tiers.entries} != stored {count}"
         locked = sum(c.locks for c in self.trie.root.children.values())
         assert locked == (self._locked is not None), f"{locked} locked paths"
         assert self._locked is None or self._request is not None, "a lock outlived its request"
@@ -803,10 +813,10 @@ class PrefixCache:
                 f"lock {self._locked} vs restored {cached}"
 
     def within_budgets(self) -> bool:
-        self._refresh_lazy()
-        return (self._bytes["device"] <= self.budgets.device_bytes
-                and self._bytes["host"] <= self.budgets.host_bytes
-                and self._bytes["disk"] <= (self.budgets.disk_bytes if self.disk else 0))
+        self.tiers.refresh_lazy()
+        return (self.tiers.bytes["device"] <= self.budgets.device_bytes
+                and self.tiers.bytes["host"] <= self.budgets.host_bytes
+                and self.tiers.bytes["disk"] <= (self.budgets.disk_bytes if self.disk else 0))
 
     def _touch(self, nodes: list[TrieNode]) -> None:
         self.trie.touch(nodes)
@@ -820,15 +830,132 @@ class PrefixCache:
 
     def _require_request(self) -> _Request:
         if self._request is None:
-            raise RuntimeError("no request is running: call begin() first")
+            raise PrefixCacheMisuse("no request is running: call begin() first")
         return self._request
 
     def _require_idle(self) -> None:
         if self._request is not None:
-            raise RuntimeError("a request is running")
+            raise PrefixCacheMisuse("a request is running")
 
+    # ============================================================================================
+    # Faults: back to a consistent state (see "Faults" in the module docstring)
+    # ============================================================================================
+    def _recover(self, operation: str, exc: Exception) -> None:
+        """After ``exc`` ended ``operation`` early: no capture left scheduled, the trie without
+        any node whose data is missing or torn, no lock but the running request's own, the
+        counters rebuilt. The live caches are kept only while a request still writes them
+        (a fault while attaching captures) or, when idle, while the trie still holds what
+        they hold; otherwise they are dropped and the next request restores or recomputes."""
+        self.faults += 1
+        kind = f"{operation.strip('_')}: {type(exc).__name__}"
+        if kind not in self._faults_logged:
+            self._faults_logged.add(kind)
+            log.error("prefix cache: a fault in %s (%s); the cache recovered and the turn goes "
+                      "on without it", operation.strip("_"), exc, exc_info=exc)
+        request = self._request
+        writing = request is not None and operation == "_attach_captures"
+        # A fault while restoring or ending a request leaves the live caches in doubt.
+        in_doubt = operation in ("_begin", "_commit", "abort") or request is not None
+        for cache in self.caches:
+            try:
+                close_all(cache.take_snapshots())
+                cache.cancel_snapshots()
+            except Exception:
+                writing = False  # a cache that cannot even do this is reset below
+        if writing:
+            request.offsets = []
+        else:
+            self._request = None
+        try:
+            self._repair_trie()
+            if writing:
+                self._relock_restored(request)
+            elif in_doubt or not self._trie_holds(self.live):
+                self._drop_live_caches()
+            self._enforce_budgets()
+        except Exception as again:  # the trie itself is beyond repair: start it afresh
+            log.error("prefix cache: recovery failed (%s); every stored prefix is dropped",
+                      again, exc_info=again)
+            self._drop_everything()
+            if not writing:
+                self._drop_live_caches()
 
-def _close_all(snaps) -> None:
-    for snap in snaps:
-        if snap is not None:
-            snap.close()
+    def _repair_trie(self) -> None:
+        """Forget every node (with its subtree) whose data is missing, on no tier, or whose
+        copies disagree with its layers; clear every lock; rebuild the counters."""
+        for node in self.trie.nodes():
+            node.locks = 0
+        self._locked = None
+        for node in list(self.trie.nodes()):  # parents first
+            if node.parent is not None and not self._intact(node):
+                self._drop_subtree_quietly(node)
+        self._unpersisted = [n for n in self._unpersisted
+                             if n.parent is not None and n.data is not None]
+        self.tiers.recount(list(self.trie.nodes()))
+
+    def _intact(self, node: TrieNode) -> bool:
+        data = node.data
+        if not isinstance(data, NodeData) or data.tiers() == 0:
+            return False
+        layers = list(data.layers)
+        if len(layers) != len(self.caches):
+            return False
+        if not all(layers[j] for j, kind in enumerate(self.kinds) if kind == "span"):
+            return False
+        if data.on_device:
+            if [s is not None for s in data.device] != layers:
+                return False
+            for j, snap in enumerate(data.device):
+                if snap is not None and (snap.end != node.end or (
+                        self.kinds[j] == "span" and snap.start != node.start)):
+                    return False
+        return not data.on_host or [r is not None for r in data.host] == layers
+
+    def _drop_subtree_quietly(self, node: TrieNode) -> None:
+        """Forget a subtree whose data may be torn: snapshots closed where they still can be,
+        stored files deleted, the counters left to ``recount``."""
+        for child in list(node.children.values()):
+            self._drop_subtree_quietly(child)
+        data = node.data
+        if isinstance(data, NodeData):
+            for snap in data.device or ():
+                try:
+                    if snap is not None:
+                        snap.close()
+                except Exception:
+                    pass  # already closed, or handed on before the fault
+            if data.on_disk and self.disk is not None:
+                self.disk.delete(data.id)
+            data.device = data.host = data.disk = None
+        self.tiers.lazy.discard(node)
+        node.locks = 0
+        self.trie.remove_leaf(node)
+
+    def _relock_restored(self, request: _Request) -> None:
+        """Pin the running request's restored path again, where the repair left it."""
+        if request.cached == 0:
+            return
+        match = self.trie.match(request.prompt[:request.cached])
+        if match.length == request.cached:
+            self._relock(match.node_at(request.cached - 1))
+
+    def _trie_holds(self, ids: array) -> bool:
+        return not ids or self.trie.match(ids).length == len(ids)
+
+    def _drop_live_caches(self) -> None:
+        for cache in self.caches:
+            cache.free()
+        self.live = array("i")
+
+    def _drop_everything(self) -> None:
+        """The last resort: a fresh trie (device snapshots closed where they can be)."""
+        for node in list(self.trie.root.children.values()):
+            try:
+                self._drop_subtree_quietly(node)
+            except Exception:
+                pass
+        self.trie = PrefixTrie()
+        self._locked = None
+        self._unpersisted = []
+        self.tiers.recount([])
+
