@@ -101,6 +101,8 @@ def test_a_restart_keeps_conversations_warm_and_opening_a_chat_prefetches(qtbot,
         # credits the disk, where the prefetch read it (not the device it was restored from).
         assert again["cached_by_tier"].get("disk", 0) > 0, again["cached_by_tier"]
         assert again["cached_by_tier"].get("device", 0) == 0, again["cached_by_tier"]
+        assert sum(again["cached_by_tier"].values()) == again["cached_tokens"]
+        assert f"{again['cached_by_tier']['disk']} from disk" in stats_line(w)  # said so, too
     finally:
         stop(parts)
 
