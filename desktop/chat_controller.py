@@ -64,6 +64,7 @@ class ActiveReply:
     policy: str = "stop"
     sent_ids: tuple[int, ...] = ()  # store ids of the non-system messages sent, in order
     earlier_tokens: int = 0  # tokens a continued reply had before
+    left_out: int = 0  # messages before the chat's context start, not sent at all
 
 
 @dataclass(frozen=True)
@@ -374,13 +375,15 @@ class ChatController(QObject):
     def _start_reply(self, user: Message) -> int:
         conversation_id = user.conversation_id
         self._cancel_titles()  # a title must never delay a reply the user is waiting for
-        request, ids = self._request(conversation_id, self.store.lineage(user.id))
+        lineage = self.store.lineage(user.id)
+        request, ids = self._request(conversation_id, lineage)
+        left_out = len(prompt_with_ids(self.store.settings(conversation_id), lineage)[1]) - len(ids)
         model_name = self.model_info.name if self.model_info else None
         reply = self.store.add_message(conversation_id, user.id, "assistant", "", status="streaming", model=model_name)
         if model_name:
             self.store.set_model(conversation_id, self.model_ref or model_name)
         return self._queue(request, ActiveReply(0, conversation_id, reply.id, policy=request.context_overflow,
-                                                sent_ids=tuple(ids)))
+                                                sent_ids=tuple(ids), left_out=left_out))
 
     def continue_reply(self, message_id: int) -> int | None:
         """Write on from the end of a reply that stopped early (token limit, Stop, a closed app);
@@ -489,6 +492,7 @@ class ChatController(QObject):
         stats["ttft_s"] = round(stats["queue_s"] + done.ttft_s, 4)
         if reply.earlier_tokens:
             stats["generated_tokens"] += reply.earlier_tokens
+        stats["dropped_messages"] += reply.left_out  # the model saw none of them either
         return stats
 
     def _remember_cut(self, reply: ActiveReply, done: DoneEvent) -> None:
@@ -512,7 +516,8 @@ class ChatController(QObject):
         if measured is None or not isinstance(result, ContextUse):
             return
         conversation_id, ids, fresh = measured
-        if fresh and 0 < result.cut < len(ids):
+        if fresh and 0 < result.cut < len(ids) and conversation_id not in self._context_starts:
+            # (the first answer wins: a request may already have been sent from it)
             self._set_context_start(conversation_id, ids[result.cut])
         self.context_measured.emit(conversation_id, result)
 
