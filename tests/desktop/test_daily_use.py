@@ -213,3 +213,30 @@ def test_window_size_and_sidebar_width_come_back_after_a_restart(qtbot, launch, 
     assert manager.isVisible()
     qtbot.mouseClick(manager.close_button, Qt.MouseButton.LeftButton)
     assert not manager.isVisible()
+
+
+def test_continue_writes_on_from_a_reply_that_hit_its_token_limit(qtbot, launch):
+    parts = launch()
+    w = parts.window
+    w.store.set_default_settings(ChatSettings(**{**SETTINGS.to_dict(), "max_tokens": 6}))
+    send(qtbot, w, "Tell me a long story about a lantern.")
+    qtbot.waitUntil(lambda: idle(w), timeout=30000)
+    [_, reply] = w.store.path(w.current_id)
+    if reply.message.stats["finish_reason"] != "length":
+        pytest.fail("the seeded reply ended before its limit; pick another seed")
+    widget = w.chat_view.message_widgets()[-1]
+    assert widget.limit_label.isVisible() and widget.continue_button.isVisible()
+    qtbot.mouseClick(widget.continue_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: idle(w), timeout=30000)
+    [_, after] = w.store.path(w.current_id)
+    assert after.message.id == reply.message.id and after.sibling_count == 1  # the same message, longer
+    assert after.message.content.startswith(reply.message.content)
+    assert len(after.message.content) > len(reply.message.content)
+    assert after.message.stats["generated_tokens"] > reply.message.stats["generated_tokens"]
+    request = parts.engine.requests[-1]
+    assert request.continue_reply and request.messages[-1] == {"role": "assistant", "content": reply.message.content}
+    # Only the last reply of a branch can go on: an earlier one shows no Continue.
+    send(qtbot, w, "and then?")
+    qtbot.waitUntil(lambda: idle(w), timeout=30000)
+    assert not w.chat_view.message_widgets()[1].continue_button.isVisible()
+    assert w.controller.continue_reply(reply.message.id) is None
