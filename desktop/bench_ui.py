@@ -145,7 +145,10 @@ def wait_until(condition, timeout_s: float, step_ms: int = 5) -> bool:
 
 class ReplayEngine:
     """A scripted engine for the worker: streams ``text`` in ~4-character tokens at ``rate``
-    tokens per second, honouring cancellation (it exercises the real GUI path, not a model)."""
+    tokens per second, honouring cancellation (it exercises the real GUI path, not a model).
+    The rest of the worker's ``ChatEngine`` surface answers as an engine without a prefix cache
+    would: nothing to prefetch, empty statistics, every chat fits (whitespace-separated words
+    stand for tokens)."""
 
     def __init__(self, text: str, rate: float) -> None:
         from backend.api import ModelInfo
@@ -153,6 +156,32 @@ class ReplayEngine:
         self.text = text
         self.rate = rate
         self.info = ModelInfo("replay", "replay", "float32", None, 8192, 0)
+
+    def fit(self, request, fresh: bool = False):
+        from backend.context_policy import ContextFit
+
+        messages = list(request.messages or [])
+        words = sum(len(str(m.get("content", "")).split()) for m in messages)
+        return ContextFit(messages, list(range(words)), 0, words, self.info.context_length)
+
+    def prefetch(self, messages=None, prompt_ids=None, cancel=None) -> int:
+        return 0
+
+    def cache_stats(self):
+        from backend.api import CacheStats, TierStats
+
+        empty = TierStats(0, 0, 0, 0, 0)
+        return CacheStats({"device": empty, "host": empty, "disk": empty}, 0, 0, 0,
+                          disk_mode="off", disk_note="the replay engine keeps no cache")
+
+    def set_cache_budgets(self, budgets) -> None:
+        pass
+
+    def clear_cache(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def generate(self, request, cancel: threading.Event | None = None) -> Iterator:
         from backend.api import DoneEvent, TokenEvent

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from desktop import qt_compat  # noqa: F401,I001  (before any signal is emitted; see the module)
-from PySide6.QtCore import QObject, Signal, Slot
+from PySide6.QtCore import QObject, QTimer, Signal, Slot
 
 from backend.api import DoneEvent, GenerateRequest, Message as PromptMessage, ModelInfo
 from backend.context_policy import reply_room
@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 
 AUTO_TITLE_KEY = "auto_title_with_model"  # model-written titles: off unless the user opts in
 CONTEXT_STARTS_KEY = "context_starts"  # conversation id -> the first message the model last saw
-CONTROLLER_STATS = ("queue_s",)  # stored with a reply's statistics beside the worker's
+CONTROLLER_STATS = ("queue_s",)
+PREFETCH_SHOWN_AFTER_S = 0.15  # a prefetch shows in the sidebar once it has run this long  # stored with a reply's statistics beside the worker's
 
 
 @dataclass
@@ -137,7 +138,7 @@ class ChatController(QObject):
         self._replies: dict[int, ActiveReply] = {}  # request id -> reply
         self._titles: dict[int, int] = {}  # title request id -> conversation id
         self._loads: dict[int, str | None] = {}
-        self._prefetches: dict[int, int] = {}  # prefetch request id -> conversation id
+        self._prefetches: dict[int, tuple[int, float]] = {}  # request id -> (conversation, since)
         self._measures: dict[int, tuple[int, tuple[int, ...], bool]] = {}  # id -> chat, ids sent, fresh
         starts = store.app_setting(CONTEXT_STARTS_KEY, {})
         self._context_starts: dict[int, int] = {
@@ -185,14 +186,16 @@ class ChatController(QObject):
 
     def active_conversations(self) -> set[int]:
         """Conversations with a reply queued or running, or a prefetch pending."""
-        return {r.conversation_id for r in self._replies.values()} | set(self._prefetches.values())
+        return {r.conversation_id for r in self._replies.values()} | {c for c, _ in self._prefetches.values()}
 
     def activity(self, conversation_id: int) -> str:
         """"generating", "queued" (a reply waits for the model), "prefetching" or ""."""
         reply = self.active_reply(conversation_id)
         if reply is not None:
             return "queued" if self._ahead(reply) else "generating"
-        if conversation_id in self._prefetches.values():
+        now = time.monotonic()
+        if any(cid == conversation_id and now - since >= PREFETCH_SHOWN_AFTER_S
+               for cid, since in self._prefetches.values()):
             return "prefetching"
         return ""
 
@@ -308,9 +311,14 @@ class ChatController(QObject):
         if not request.messages:
             return None
         request_id = self.client.prefetch(request.messages, request)
-        self._prefetches[request_id] = conversation_id
-        self.activity_changed.emit(conversation_id)
+        self._prefetches[request_id] = (conversation_id, time.monotonic())
+        # Shown only once it takes a while: most prefetches end before a repaint is worth it.
+        QTimer.singleShot(int(PREFETCH_SHOWN_AFTER_S * 1000) + 1, self, lambda: self._still_prefetching(request_id))
         return request_id
+
+    def _still_prefetching(self, request_id: int) -> None:
+        if request_id in self._prefetches:
+            self.activity_changed.emit(self._prefetches[request_id][0])
 
     def measure_context(self, conversation_id: int) -> int | None:
         """Ask the engine how much of the model's context the chat's next prompt uses (answered
@@ -528,9 +536,9 @@ class ChatController(QObject):
         self._measures.pop(request_id, None)
 
     def _end_prefetch(self, request_id: int) -> None:
-        conversation_id = self._prefetches.pop(request_id, None)
-        if conversation_id is not None:
-            self.activity_changed.emit(conversation_id)
+        conversation_id, since = self._prefetches.pop(request_id, (None, 0.0))
+        if conversation_id is not None and time.monotonic() - since >= PREFETCH_SHOWN_AFTER_S:
+            self.activity_changed.emit(conversation_id)  # it was shown: take it away
 
     def _exists(self, conversation_id: int) -> bool:
         try:

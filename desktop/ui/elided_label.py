@@ -24,6 +24,8 @@ class ElidedLabel(QLabel):
         self._tooltip = ""  # a tooltip set by the caller (shown whole or not)
 
     def setText(self, text: str) -> None:  # noqa: N802 - Qt override
+        if text == self.text():
+            return  # (no relayout of the window for nothing)
         super().setText(text)
         self._update_tooltip()
         self.updateGeometry()
