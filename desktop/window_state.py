@@ -24,21 +24,28 @@ class WindowState:
     def _settings(self) -> QSettings | None:
         return None if self.path is None else QSettings(str(self.path), QSettings.Format.IniFormat)
 
-    def restore(self, window: QMainWindow, splitter: QSplitter) -> bool:
-        """Apply what was saved; False when nothing was (the window keeps its defaults)."""
+    def restore(self, window: QMainWindow, splitter: QSplitter) -> int | None:
+        """Apply what was saved; returns the sidebar width the user chose (None: nothing was
+        saved, the window keeps its defaults)."""
         settings = self._settings()
         if settings is None:
-            return False
+            return None
         geometry, sizes = settings.value("window/geometry"), settings.value("window/splitter")
-        restored = isinstance(geometry, QByteArray) and window.restoreGeometry(geometry)
+        if isinstance(geometry, QByteArray):
+            window.restoreGeometry(geometry)
         if isinstance(sizes, QByteArray):
-            restored = splitter.restoreState(sizes) or restored
-        return restored
+            splitter.restoreState(sizes)
+        width = settings.value("window/sidebar_width")
+        try:
+            return int(width) if width is not None else None
+        except (TypeError, ValueError):  # a hand-edited file: the default width
+            return None
 
-    def save(self, window: QMainWindow, splitter: QSplitter) -> None:
+    def save(self, window: QMainWindow, splitter: QSplitter, sidebar_width: int) -> None:
         settings = self._settings()
         if settings is None:
             return
         settings.setValue("window/geometry", window.saveGeometry())
         settings.setValue("window/splitter", splitter.saveState())
+        settings.setValue("window/sidebar_width", int(sidebar_width))
         settings.sync()

@@ -8,8 +8,10 @@ characters and gives back the rest.
 
 from __future__ import annotations
 
+import math
+
 from PySide6.QtCore import QSize, Qt
-from PySide6.QtGui import QPainter
+from PySide6.QtGui import QFontMetricsF, QPainter
 from PySide6.QtWidgets import QLabel, QSizePolicy, QStyleOption, QWidget
 
 MIN_CHARS = 4  # the narrowest it gets: a few characters and the ellipsis
@@ -34,20 +36,25 @@ class ElidedLabel(QLabel):
         self._tooltip = text
         self._update_tooltip()
 
+    def text_width(self) -> int:
+        """The whole text's width in pixels, rounded up (integer metrics round fractions away,
+        and a label sized to them would cut its last letter)."""
+        return math.ceil(QFontMetricsF(self.font()).horizontalAdvance(self.text()))
+
     @property
     def elided(self) -> bool:
         """Whether the text is cut at the current width."""
-        return self.fontMetrics().horizontalAdvance(self.text()) > self.contentsRect().width()
+        return self.text_width() > self.contentsRect().width()
 
     def minimumSizeHint(self) -> QSize:  # noqa: N802
         metrics = self.fontMetrics()
-        width = min(metrics.horizontalAdvance(self.text()), metrics.horizontalAdvance("M" * MIN_CHARS + "…"))
+        width = min(self.text_width(), metrics.horizontalAdvance("M" * MIN_CHARS + "…"))
         margins = self.contentsMargins()
         return QSize(width + margins.left() + margins.right(), super().minimumSizeHint().height())
 
     def sizeHint(self) -> QSize:  # noqa: N802
         margins = self.contentsMargins()
-        width = self.fontMetrics().horizontalAdvance(self.text()) + margins.left() + margins.right()
+        width = self.text_width() + margins.left() + margins.right()
         return QSize(width, super().sizeHint().height())
 
     def resizeEvent(self, event) -> None:  # noqa: N802 - Qt override
@@ -59,7 +66,8 @@ class ElidedLabel(QLabel):
         option = QStyleOption()
         option.initFrom(self)
         rect = self.contentsRect()
-        shown = self.fontMetrics().elidedText(self.text(), Qt.TextElideMode.ElideRight, rect.width())
+        shown = self.text() if not self.elided else \
+            self.fontMetrics().elidedText(self.text(), Qt.TextElideMode.ElideRight, rect.width())
         self.style().drawItemText(painter, rect, int(self.alignment() | Qt.AlignmentFlag.AlignVCenter),
                                   option.palette, self.isEnabled(), shown, self.foregroundRole())
 

@@ -59,6 +59,9 @@ LAST_CONVERSATION_KEY = "last_conversation"
 LAST_MODEL_KEY = "last_model"
 DRAFTS_KEY = "composer_drafts"  # conversation id -> the message half typed there
 SIDEBAR_MIN_WIDTH = 180
+SIDEBAR_WIDTH = 280  # until the user drags the splitter
+CHAT_COMFORT_WIDTH = 500  # a narrow window takes from the sidebar (down to its minimum) first
+HEADER_MODEL_WIDTH = 720  # the chat column shows the model's name from this width
 #: The context meter warns once a chat and its reply's room fill this share of the context.
 CONTEXT_WARNING = 0.8
 
@@ -108,7 +111,7 @@ class MainWindow(QMainWindow):
         self._connect()
         self._apply_theme(theme.dark)
         self.window_state = WindowState(store.location)
-        self.window_state.restore(self, self.splitter)
+        self.sidebar_width = self.window_state.restore(self, self.splitter) or SIDEBAR_WIDTH
 
         QTimer.singleShot(300, self.renderer.warm_up)  # while the user reads, not while they wait
         if store.app_setting_problems:
@@ -126,6 +129,7 @@ class MainWindow(QMainWindow):
         header.setObjectName("chatHeader")
         row = QHBoxLayout(header)
         row.setContentsMargins(16, 8, 12, 4)
+        row.setSpacing(12)
         self.title_label = ElidedLabel(PLACEHOLDER_TITLE)
         self.title_label.setObjectName("chatTitle")
         font = self.title_label.font()
@@ -144,9 +148,9 @@ class MainWindow(QMainWindow):
         self.models_button.setAccessibleName("Open the model manager")
         self.settings_button = QPushButton("Chat settings…")
         self.settings_button.setAccessibleName("Open chat settings")
-        row.addWidget(self.title_label, 3)
-        row.addWidget(self.context_label, 1)
-        row.addWidget(self.model_label, 1)
+        row.addWidget(self.title_label, 1)
+        row.addWidget(self.context_label)
+        row.addWidget(self.model_label)
         row.addWidget(self.models_button)
         row.addWidget(self.settings_button)
 
@@ -184,6 +188,8 @@ class MainWindow(QMainWindow):
         self.sidebar.setMinimumWidth(SIDEBAR_MIN_WIDTH)  # a small window narrows the chat first
         right.setMinimumWidth(360)
         self.splitter = splitter
+        self.sidebar_width = SIDEBAR_WIDTH  # what the user chose; narrow windows show less
+        splitter.splitterMoved.connect(lambda _pos, _index: self._remember_sidebar_width())
         self.setCentralWidget(splitter)
         self.status_label = QLabel()
         self.status_label.setAccessibleName("Status")
@@ -674,9 +680,28 @@ class MainWindow(QMainWindow):
             return True
         return super().eventFilter(watched, event)
 
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt override
+        super().resizeEvent(event)
+        self._fit_sidebar()
+        # A narrow chat column keeps the title and the meter; the model's name is in the status
+        # bar as well.
+        self.model_label.setVisible(self.width() - self.splitter.sizes()[0] >= HEADER_MODEL_WIDTH)
+
+    def _remember_sidebar_width(self) -> None:
+        self.sidebar_width = self.splitter.sizes()[0]
+
+    def _fit_sidebar(self) -> None:
+        """The sidebar at the user's width, narrower (down to its minimum) while the chat column
+        would otherwise be cramped."""
+        handle = self.splitter.handleWidth()
+        total = self.splitter.width()
+        want = max(SIDEBAR_MIN_WIDTH, min(self.sidebar_width, total - handle - CHAT_COMFORT_WIDTH))
+        if total > 0 and self.splitter.sizes()[0] != want:
+            self.splitter.setSizes([want, max(0, total - handle - want)])
+
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
         self._keep_draft()
-        self.window_state.save(self, self.splitter)
+        self.window_state.save(self, self.splitter, self.sidebar_width)
         self.controller.stop_all()
         if self._model_manager is not None:
             self._model_manager.close()

@@ -92,7 +92,8 @@ class MessageWidget(QFrame):
         self.note.setObjectName("statusNote")
         self.note.setForegroundRole(QPalette.ColorRole.PlaceholderText)
         header.addWidget(self.speaker)
-        header.addWidget(self.note, 1)
+        header.addWidget(self.note)
+        header.addStretch(1)  # the actions stay together at the right
         self.previous_button = _small_button("‹", "Previous version", "Show the previous version")
         self.branch_label = QLabel()
         self.branch_label.setAccessibleName("Version")

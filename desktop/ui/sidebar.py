@@ -48,7 +48,7 @@ class ConversationDelegate(QStyledItemDelegate):
 
     def sizeHint(self, option: QStyleOptionViewItem, index: QModelIndex) -> QSize:  # noqa: N802
         height = option.fontMetrics.height()
-        return QSize(200, height + (14 if index.data(IsHeaderRole) else 12))
+        return QSize(1, height + (14 if index.data(IsHeaderRole) else 12))
 
     def paint(self, painter: QPainter, option: QStyleOptionViewItem, index: QModelIndex) -> None:
         painter.save()
@@ -111,7 +111,7 @@ class SearchHitDelegate(QStyledItemDelegate):
     def sizeHint(self, option: QStyleOptionViewItem, index: QModelIndex) -> QSize:  # noqa: N802
         hit: SearchHit = index.data(HitRole)
         lines = 1 if hit.message_id is None else 2
-        return QSize(200, option.fontMetrics.height() * lines + 12)
+        return QSize(1, option.fontMetrics.height() * lines + 12)
 
     def paint(self, painter: QPainter, option: QStyleOptionViewItem, index: QModelIndex) -> None:
         hit: SearchHit = index.data(HitRole)
@@ -224,12 +224,15 @@ class Sidebar(QFrame):
         self.list_view.selectionModel().currentChanged.connect(self._on_current_changed)
         self.list_view.installEventFilter(self)
         self.list_view.viewport().setBackgroundRole(QPalette.ColorRole.Window)
+        # Titles are cut to the sidebar's width (see the delegates): never a sideways scroll.
+        self.list_view.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.results_view = QListView()
         self.results_view.setAccessibleName("Search results")
         self.results_view.setModel(results)
         self.results_view.setItemDelegate(SearchHitDelegate(self.results_view))
         self.results_view.setFrameShape(QFrame.Shape.NoFrame)
         self.results_view.viewport().setBackgroundRole(QPalette.ColorRole.Window)
+        self.results_view.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.results_view.activated.connect(self._on_hit_activated)
         self.results_view.clicked.connect(self._on_hit_activated)
         self.no_results = QLabel("No matches")

@@ -196,19 +196,25 @@ def test_window_size_and_sidebar_width_come_back_after_a_restart(qtbot, launch, 
     # (Within the offscreen platform's screen, which restoring a geometry keeps a window on.)
     w.resize(760, 560)
     qtbot.waitUntil(lambda: w.width() == 760 and w.height() == 560)
-    w.splitter.setSizes([300, 760 - 300 - w.splitter.handleWidth()])
+    w.splitter.moveSplitter(220, 1)  # as a drag does
     sizes = w.splitter.sizes()
-    assert sizes[0] == 300
+    assert sizes[0] == 220 and w.sidebar_width == 220
     w.close()
     assert parts.shutdown(5.0)
 
     w = launch(db=db).window
     qtbot.waitUntil(lambda: (w.width(), w.height()) == (760, 560), timeout=5000)
     assert w.splitter.sizes() == sizes
-    # A small window narrows the chat, never the sidebar below its minimum.
+    # A small window narrows the sidebar first, never below its minimum; a wide one gives it
+    # back its width.
     w.resize(700, 500)
     qtbot.waitUntil(lambda: w.width() == 700)
-    assert w.sidebar.width() >= 180
+    assert 180 <= w.sidebar.width() < 220
+    w.resize(500, 400)
+    qtbot.waitUntil(lambda: w.width() == max(500, w.minimumSizeHint().width()))
+    assert w.sidebar.width() == 180
+    w.resize(780, 560)
+    qtbot.waitUntil(lambda: w.splitter.sizes()[0] == 220)
     manager = w.open_model_manager()
     assert manager.isVisible()
     qtbot.mouseClick(manager.close_button, Qt.MouseButton.LeftButton)
