@@ -246,3 +246,32 @@ def test_continue_writes_on_from_a_reply_that_hit_its_token_limit(qtbot, launch)
     qtbot.waitUntil(lambda: idle(w), timeout=30000)
     assert not w.chat_view.message_widgets()[1].continue_button.isVisible()
     assert w.controller.continue_reply(reply.message.id) is None
+
+
+def test_scrolling_up_reveals_earlier_messages_without_moving_the_view(qtbot, launch, tmp_path):
+    from desktop.ui.chat_view import REVEAL_STEP, WINDOW
+
+    parts = launch()
+    w = parts.window
+    turns = [("user" if i % 2 == 0 else "assistant", f"message number {i}") for i in range(WINDOW + 2 * REVEAL_STEP)]
+    w.store.insert_many([("A long history", turns)])
+    [summary] = [s for s in w.store.list_conversations() if s.title == "A long history"]
+    w.conversations.refresh()
+    w.open_conversation(summary.id)
+    view = w.chat_view
+    assert len(view.message_widgets()) == WINDOW
+    bar = view.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > 0 and bar.value() == bar.maximum())
+    anchor = view.message_widgets()[0]  # the first shown message, about to be scrolled to
+
+    def anchor_y() -> int:
+        return anchor.mapTo(view.viewport(), anchor.rect().topLeft()).y()
+
+    bar.setValue(0)  # the user scrolls to the top ...
+    before = anchor_y()
+    qtbot.waitUntil(lambda: len(view.message_widgets()) == WINDOW + REVEAL_STEP)  # ... more appear
+    # The message that was at the top stays where the user saw it; earlier ones are above.
+    qtbot.waitUntil(lambda: bar.value() > 0 and anchor_y() == before, timeout=5000)
+    bar.setValue(0)  # and once more: the rest
+    qtbot.waitUntil(lambda: len(view.message_widgets()) == len(turns))
+    assert not view._earlier.isVisible()
