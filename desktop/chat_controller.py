@@ -540,13 +540,6 @@ class ChatController(QObject):
         if conversation_id is not None and time.monotonic() - since >= PREFETCH_SHOWN_AFTER_S:
             self.activity_changed.emit(conversation_id)  # it was shown: take it away
 
-    def _exists(self, conversation_id: int) -> bool:
-        try:
-            self.store.conversation(conversation_id)
-        except KeyError:
-            return False
-        return True
-
     # -- titles ----------------------------------------------------------------------------------
 
     def _maybe_queue_title(self, conversation_id: int) -> None:

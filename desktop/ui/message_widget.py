@@ -6,8 +6,6 @@ reachable however narrow the chat column is."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from PySide6.QtCore import QRectF, Qt, Signal
 from PySide6.QtGui import QGuiApplication, QKeySequence, QPainter, QPalette, QPen, QShortcut
 from PySide6.QtWidgets import (

@@ -12,40 +12,19 @@ import time
 import pytest
 from PySide6.QtCore import Qt
 
-from desktop.app import create_app
 from desktop.chat_settings import ChatSettings
-from desktop.store import ChatStore
 from desktop.titles import TITLE_MAX_TOKENS
 from desktop.ui.conversation_list_model import ActivityRole
+from tests.desktop.app_parts import launch  # noqa: F401 (a fixture, used by open_app)
 from tests.desktop.conftest import stream_until
 
 SETTINGS = ChatSettings(temperature=1.0, top_p=1.0, min_p=0.0, max_tokens=24, seed=7)
 
 
 @pytest.fixture
-def launch(qtbot, make_loader, tmp_path):
-    """``launch(allowance=None, db=None)``: the app on a chat store, model loaded, shown;
-    ``parts.engine`` is the gated real engine (``allowance=0`` holds every token)."""
-    started = []
-
-    def start(allowance: int | None = None, db=None):
-        store = ChatStore(db or tmp_path / "chats.sqlite3")
-        store.set_default_settings(SETTINGS)
-        loader = make_loader(allowance)
-        parts = create_app("tiny", loader=loader, store=store, theme="light")
-        started.append(parts)
-        parts.window.show()
-        qtbot.waitExposed(parts.window)
-        qtbot.waitUntil(lambda: parts.window.controller.model_info is not None, timeout=20000)
-        parts.engine = loader.engines[-1]
-        return parts
-
-    yield start
-    for parts in started:
-        if parts.store._db is not None:
-            parts.window.close()
-            assert parts.shutdown(5.0)
-        parts.theme.deleteLater()
+def open_app(launch):
+    """The shared ``launch`` (``tests/desktop/app_parts.py``) with these tests' defaults."""
+    return lambda allowance=None, db=None: launch(allowance, db, defaults=SETTINGS)
 
 
 def send(qtbot, window, text: str) -> None:
@@ -63,8 +42,8 @@ def row_activity(window, conversation_id: int) -> str:
     return model.data(model.index(model.row_of(conversation_id)), ActivityRole)
 
 
-def test_a_reply_queued_behind_another_chat_says_so_and_counts_the_wait(qtbot, launch):
-    parts = launch(allowance=0)
+def test_a_reply_queued_behind_another_chat_says_so_and_counts_the_wait(qtbot, open_app):
+    parts = open_app(allowance=0)
     w = parts.window
     send(qtbot, w, "Chat A: tell me a story")
     a = w.current_id
@@ -102,9 +81,9 @@ def test_a_reply_queued_behind_another_chat_says_so_and_counts_the_wait(qtbot, l
     assert line.startswith(f"{stats['ttft_s']:.2f} s to first token ({stats['queue_s']:.2f} s waiting)")
 
 
-def test_each_chat_keeps_its_half_typed_message_also_after_a_restart(qtbot, launch, tmp_path):
+def test_each_chat_keeps_its_half_typed_message_also_after_a_restart(qtbot, open_app, tmp_path):
     db = tmp_path / "drafts.sqlite3"
-    parts = launch(db=db)
+    parts = open_app(db=db)
     w = parts.window
     send(qtbot, w, "first chat")
     qtbot.waitUntil(lambda: idle(w), timeout=30000)
@@ -130,7 +109,7 @@ def test_each_chat_keeps_its_half_typed_message_also_after_a_restart(qtbot, laun
     w.close()
     assert parts.shutdown(5.0)
 
-    w = launch(db=db).window
+    w = open_app(db=db).window
     assert w.current_id == b and w.composer.input.toPlainText() == "half a thought for B"
     w.open_conversation(a)
     assert w.composer.input.toPlainText() == ""
@@ -140,8 +119,8 @@ def title_requests(engine) -> list:
     return [r for r in engine.requests if r.max_tokens == TITLE_MAX_TOKENS and r.sampling.temperature == 0.0]
 
 
-def test_titles_are_the_first_message_unless_model_titles_are_chosen(qtbot, launch):
-    parts = launch()
+def test_titles_are_the_first_message_unless_model_titles_are_chosen(qtbot, open_app):
+    parts = open_app()
     w = parts.window
     assert not w.model_titles_action.isChecked()
     send(qtbot, w, "How do I   reverse a list in Python?")
@@ -165,8 +144,8 @@ def test_titles_are_the_first_message_unless_model_titles_are_chosen(qtbot, laun
     assert len(title_requests(parts.engine)) == 1
 
 
-def test_drafting_choices_are_what_the_loaded_model_can_do(qtbot, launch):
-    parts = launch()
+def test_drafting_choices_are_what_the_loaded_model_can_do(qtbot, open_app):
+    parts = open_app()
     w = parts.window
     assert w.controller.model_info.drafters == ()  # the tiny model alone: no pair, no head
     send(qtbot, w, "hello")
@@ -189,9 +168,9 @@ def test_drafting_choices_are_what_the_loaded_model_can_do(qtbot, launch):
     assert reply.status == "complete" and parts.engine.requests[-1].draft == "auto"
 
 
-def test_window_size_and_sidebar_width_come_back_after_a_restart(qtbot, launch, tmp_path):
+def test_window_size_and_sidebar_width_come_back_after_a_restart(qtbot, open_app, tmp_path):
     db = tmp_path / "geometry.sqlite3"
-    parts = launch(db=db)
+    parts = open_app(db=db)
     w = parts.window
     # (Within the offscreen platform's screen, which restoring a geometry keeps a window on.)
     w.resize(760, 560)
@@ -202,7 +181,7 @@ def test_window_size_and_sidebar_width_come_back_after_a_restart(qtbot, launch, 
     w.close()
     assert parts.shutdown(5.0)
 
-    w = launch(db=db).window
+    w = open_app(db=db).window
     qtbot.waitUntil(lambda: (w.width(), w.height()) == (760, 560), timeout=5000)
     assert w.splitter.sizes() == sizes
     # A small window narrows the sidebar first, never below its minimum; a wide one gives it
@@ -221,8 +200,8 @@ def test_window_size_and_sidebar_width_come_back_after_a_restart(qtbot, launch, 
     assert not manager.isVisible()
 
 
-def test_continue_writes_on_from_a_reply_that_hit_its_token_limit(qtbot, launch):
-    parts = launch()
+def test_continue_writes_on_from_a_reply_that_hit_its_token_limit(qtbot, open_app):
+    parts = open_app()
     w = parts.window
     w.store.set_default_settings(ChatSettings(**{**SETTINGS.to_dict(), "max_tokens": 6}))
     send(qtbot, w, "Tell me a long story about a lantern.")
@@ -248,10 +227,10 @@ def test_continue_writes_on_from_a_reply_that_hit_its_token_limit(qtbot, launch)
     assert w.controller.continue_reply(reply.message.id) is None
 
 
-def test_scrolling_up_reveals_earlier_messages_without_moving_the_view(qtbot, launch, tmp_path):
+def test_scrolling_up_reveals_earlier_messages_without_moving_the_view(qtbot, open_app, tmp_path):
     from desktop.ui.chat_view import REVEAL_STEP, WINDOW
 
-    parts = launch()
+    parts = open_app()
     w = parts.window
     turns = [("user" if i % 2 == 0 else "assistant", f"message number {i}") for i in range(WINDOW + 2 * REVEAL_STEP)]
     w.store.insert_many([("A long history", turns)])
