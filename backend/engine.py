@@ -10,10 +10,13 @@ Public surface (see docs/ARCHITECTURE.md):
     for event in engine.generate(GenerateRequest(messages=[...]), cancel=threading.Event()):
         TokenEvent(text, token_id, from_draft) ... then exactly one DoneEvent(stats)
     engine.prefetch(messages=[...])  engine.cache_stats()  engine.clear_cache()  engine.close()
+    engine.fit(request)                 # what the model would see under the request's policy
 
 ``generate`` in numbered steps:
 
-1. Turn the request into prompt token ids (chat template or raw ids) and check it fits.
+1. Turn the request into prompt token ids (chat template or raw ids) and check it fits; under a
+   context-overflow policy other than "stop", old turns are left out first (``fit``,
+   ``backend.context_policy``).
 2. Restore the longest prefix stored for any conversation (``backend.memory.PrefixCache``):
    the live caches then hold ``cached`` prompt tokens, brought from the device, host or disk.
 3. Prefill the rest in chunks (``PREFILL_CHUNK`` tokens), checking ``cancel`` between chunks;
@@ -311,14 +314,16 @@ class Engine:
         if not self._busy.acquire(blocking=False):
             raise InvalidRequestError("the engine is already generating")
         try:
-            fit = self.fit(request)  # 1: old turns left out under the request's policy
-            if fit.dropped:
-                request = replace(request, messages=fit.messages)
+            dropped = 0
+            if request.context_overflow != "stop":  # 1: old turns left out under the policy
+                fit = self.fit(request)  # ("stop" is step 1's own check: no second rendering)
+                if fit.dropped:
+                    request, dropped = replace(request, messages=fit.messages), fit.dropped
             events = self._generate(request, cancel)
             try:
                 for event in events:
-                    if fit.dropped and isinstance(event, DoneEvent):
-                        event = replace(event, dropped_messages=fit.dropped)
+                    if dropped and isinstance(event, DoneEvent):
+                        event = replace(event, dropped_messages=dropped)
                     yield event
             finally:
                 events.close()  # a caller that stops reading closes the generation too
