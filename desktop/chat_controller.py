@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 
 AUTO_TITLE_KEY = "auto_title_with_model"  # model-written titles: off unless the user opts in
 CONTEXT_STARTS_KEY = "context_starts"  # conversation id -> the first message the model last saw
-CONTROLLER_STATS = ("queue_s",)
-PREFETCH_SHOWN_AFTER_S = 0.15  # a prefetch shows in the sidebar once it has run this long  # stored with a reply's statistics beside the worker's
+CONTROLLER_STATS = ("queue_s",)  # stored with a reply's statistics beside the worker's
+PREFETCH_SHOWN_AFTER_S = 0.15  # a prefetch shows in the sidebar once it has run this long
 
 
 @dataclass
