@@ -254,3 +254,33 @@ def test_scrolling_up_reveals_earlier_messages_without_moving_the_view(qtbot, op
     bar.setValue(0)  # and once more: the rest
     qtbot.waitUntil(lambda: len(view.message_widgets()) == len(turns))
     assert not view._earlier.isVisible()
+
+
+def test_opening_a_long_chat_shows_its_newest_messages_at_once_and_builds_the_rest_after(qtbot, open_app):
+    from desktop.ui.chat_view import FIRST_PAINT, WINDOW
+    from desktop.ui.message_widget import MessageWidget
+
+    w = open_app().window
+    turns = [("user" if i % 2 == 0 else "assistant", f"message number {i}") for i in range(WINDOW + 10)]
+    w.store.insert_many([("A long history", turns)])
+    [summary] = [s for s in w.store.list_conversations() if s.title == "A long history"]
+    w.conversations.refresh()
+    view = w.chat_view
+    column = view.widget().layout()
+
+    def in_column() -> list[str]:
+        """The messages in the column, top to bottom, without asking the view to finish."""
+        items = (column.itemAt(i).widget() for i in range(column.count()))
+        return [widget.item.message.content for widget in items if isinstance(widget, MessageWidget)]
+
+    w.open_conversation(summary.id)
+    assert in_column() == [text for _, text in turns[-FIRST_PAINT:]]  # no event has run yet
+    # The others follow, newest first, each in its place, while the view stays at the bottom.
+    qtbot.waitUntil(lambda: len(in_column()) == WINDOW)
+    assert in_column() == [text for _, text in turns[-WINDOW:]]
+    bar = view.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > 0 and bar.value() == bar.maximum())
+    # Asking for the widgets finishes the build at once.
+    w.open_conversation(w.conversations.conversation_ids()[-1])
+    w.open_conversation(summary.id)
+    assert len(view.message_widgets()) == WINDOW and len(in_column()) == WINDOW
