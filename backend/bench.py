@@ -32,8 +32,8 @@ from backend.api import GenerateRequest
 from backend.engine import Engine
 from backend.errors import MissingDependencyError
 from backend.memory.budgets import CacheConfig
-from backend.models.loading import load_model
 from backend.tokenizer import Tokenizer
+from backend.weights.loading import load_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "generation_config.json", "special_tokens_map.json")

@@ -164,7 +164,7 @@ def run(source: Path, work: Path, new_tokens: int = 128, repeats: int = 2,
         against_mlx_lm: bool = True, mlx_lm_drafts: int = 3,
         log: Callable[[str], None] = print) -> list[Row]:
     from backend.bench import write_variant
-    from backend.models.store import ModelStore
+    from backend.weights.store import ModelStore
 
     target = write_variant(source, work / f"{source.name}-float32", "float32")
     draft = ModelStore(work / "store").import_path(target, name=f"{source.name}-q4",

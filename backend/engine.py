@@ -48,14 +48,14 @@ from backend.memory.budgets import CacheBudgets, CacheConfig
 from backend.memory.disk import DiskStore, RetryPolicy
 from backend.memory.fingerprint import model_fingerprint
 from backend.memory.prefix_cache import PrefixCache
-from backend.models.files import weight_files
-from backend.models.loading import LoadedModel, load_model
-from backend.models.quantize import describe_quantization
 from backend.sampling import Sampler
 from backend.speculation.depth import DepthController
 from backend.speculation.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from backend.speculation.mtp import mtp_drafter
 from backend.tokenizer import StopMatcher, Tokenizer
+from backend.weights.files import weight_files
+from backend.weights.loading import LoadedModel, load_model
+from backend.weights.quantize import describe_quantization
 
 PREFILL_CHUNK = 2048
 MAX_TURN_END = 16  # most ids a chat template writes between a reply and the next user's words
@@ -116,7 +116,7 @@ class Engine:
         """Load a store name, an HF folder or a .gguf file (None: the default model), and
         optionally a draft model for speculative decoding (same kinds of reference; without
         one, a stored model's paired draft unless ``speculation`` rules drafting models out)."""
-        from backend.models.store import ModelStore
+        from backend.weights.store import ModelStore
 
         store = ModelStore()
         folder = store.resolve(model)

@@ -23,7 +23,7 @@ def data_dir() -> Path:
 
 
 def models_dir() -> Path:
-    """The model store's root (``backend.models.store.ModelStore``)."""
+    """The model store's root (``backend.weights.store.ModelStore``)."""
     return data_dir() / "models"
 
 

@@ -37,7 +37,7 @@ class TaskCancelled(ArborError):
 
 
 def _model_store():
-    from backend.models.store import ModelStore  # imports MLX: only ever on the task thread
+    from backend.weights.store import ModelStore  # imports MLX: only ever on the task thread
 
     return ModelStore()
 

@@ -92,7 +92,7 @@ def native_kernels():
 def default_model_gguf():
     """The default model's GGUF file, found the way the model store finds it."""
     from backend.errors import ModelLoadError
-    from backend.models.store import default_model_source
+    from backend.weights.store import default_model_source
 
     try:
         return default_model_source()

@@ -4,8 +4,8 @@ import mlx.core as mx
 import pytest
 
 from backend.bench import write_variant
-from backend.models.loading import load_model
-from backend.models.store import import_hf_folder
+from backend.weights.loading import load_model
+from backend.weights.store import import_hf_folder
 
 
 def forward(model, tokens):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.models.store import DEFAULT_MODEL_NAME
+from backend.weights.store import DEFAULT_MODEL_NAME
 from tests.fixtures.app_smoke import run_checked, smoke_report
 from tests.fixtures.desktop_entry import exec_program
 from tests.skip_policy import NOT_LINUX_X86_64, linux_x86_64, platform_skip

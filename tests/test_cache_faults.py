@@ -197,6 +197,26 @@ def test_a_disk_that_stays_full_serves_every_turn_then_comes_back(tmp_path, capl
     driver.pc.close()
 
 
+def test_a_nearly_full_disk_that_flaps_is_said_once(tmp_path, caplog):
+    """Small writes go through and big ones fail, turn after turn: one line that the disk is
+    full and one that it stores again, not a pair per request."""
+
+    class EveryOtherWrite(FaultPlan):
+        def hit(self, site: str) -> None:
+            self.counts[site] += 1
+            if site == "write_file" and self.counts[site] % 2 == 0:
+                raise disk_error(site)
+
+    driver = Driver("full", tmp_path, EveryOtherWrite())
+    with caplog.at_level(logging.WARNING, logger="backend.memory"):
+        for i in range(8):
+            driver.request(SYSTEM + [i] * 5, [i])
+            driver.pc.persist()
+    lines = [r.getMessage() for r in caplog.records if r.name == "backend.memory.disk"]
+    assert len(lines) == 2 and "full" in lines[0] and "again" in lines[1], lines
+    driver.pc.close()
+
+
 def test_retries_back_off_while_the_disk_stays_full(tmp_path):
     now = [0.0]
     plan = FaultPlan()

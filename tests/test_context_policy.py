@@ -12,7 +12,7 @@ from backend.api import DoneEvent, GenerateRequest, SamplingParams
 from backend.context_policy import MESSAGE_OVERHEAD, POLICIES, fit_conversation, reply_room
 from backend.engine import Engine
 from backend.errors import ContextLengthError, InvalidRequestError
-from backend.models.loading import load_model
+from backend.weights.loading import load_model
 from backend.tokenizer import Tokenizer
 
 OVERHEAD = 5  # what the fake template adds per message

@@ -29,7 +29,7 @@ import pytest
 
 from backend.engine import Engine
 from backend.errors import ModelLoadError
-from backend.models.store import ModelStore
+from backend.weights.store import ModelStore
 from desktop.cli import main
 from tests.test_gguf import HEAD_DIM, HEADS, HIDDEN, LAYERS, tiny_hf_weights, write_gguf
 from tests.test_loading import write_quantized

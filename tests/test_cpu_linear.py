@@ -7,8 +7,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from backend.models.cpu_linear import MAX_KERNEL_ROWS, use_cpu_kernels
-from backend.models.loading import load_model
+from backend.models.cpu_linear import MAX_KERNEL_ROWS
+from backend.models.cpu_setup import use_cpu_kernels
+from backend.weights.loading import load_model
 
 # Decided when the first test runs, after tests/conftest.py's fixture has built the kernels (a
 # skipif at import time would see an unbuilt extension in a fresh clone and skip everything).
@@ -95,7 +96,7 @@ def test_projections_sharing_an_input_are_stacked_without_copies(tiny_model_dir,
 
     from backend.models.cpu_linear import StackedProjections
     from backend.models.layers import Attention, GatedMLP
-    from backend.models.store import import_hf_folder
+    from backend.weights.store import import_hf_folder
 
     folder = tiny_model_dir(case)
     if quantize:

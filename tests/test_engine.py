@@ -11,8 +11,8 @@ import backend.engine as engine_module
 from backend.api import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
 from backend.engine import Engine
 from backend.errors import ContextLengthError, InvalidRequestError
-from backend.models.loading import load_model
 from backend.tokenizer import Tokenizer
+from backend.weights.loading import load_model
 
 
 def make_engine(folder) -> Engine:

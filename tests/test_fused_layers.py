@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from backend.models.loading import load_model
+from backend.weights.loading import load_model
 
 # quantize: bits, or "4-int8": 4 bits with int8 inputs (a draft model's products).
 FUSED_CASES = [("llama", None), ("llama-tied", None), ("mistral-window", None),
@@ -19,8 +19,8 @@ FUSED_CASES = [("llama", None), ("llama-tied", None), ("mistral-window", None),
 
 
 def _model(tiny_model_dir, tmp_path, case, quantize):
-    from backend.models.cpu_linear import use_int8_inputs
-    from backend.models.store import import_hf_folder
+    from backend.models.cpu_setup import use_int8_inputs
+    from backend.weights.store import import_hf_folder
 
     folder = tiny_model_dir(case)
     if quantize:

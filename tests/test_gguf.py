@@ -21,8 +21,8 @@ from gguf import GGMLQuantizationType as T
 from tokenizers import Tokenizer
 
 from backend.errors import ModelLoadError, UnknownArchitectureError
-from backend.models.gguf import hf_tensor_name, import_gguf, unpermute_qk_rows
-from backend.models.gguf_tokenizer import build_tokenizer
+from backend.weights.gguf import hf_tensor_name, import_gguf, unpermute_qk_rows
+from backend.weights.gguf_tokenizer import build_tokenizer
 
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = 64, 256, 2, 4, 2
 HEAD_DIM = HIDDEN // HEADS

@@ -9,7 +9,7 @@ from importlib import metadata
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from backend.models.store import DEFAULT_MODEL_DIR, default_model_source
+from backend.weights.store import DEFAULT_MODEL_DIR, default_model_source
 from desktop.ui.markdown_render import COPY_SCHEME, MarkdownRenderer
 
 

@@ -11,8 +11,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from backend.errors import ModelLoadError
-from backend.models.loading import load_model
 from backend.models.rope import rope_settings
+from backend.weights.loading import load_model
 
 TOKENS = mx.array([[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]])
 

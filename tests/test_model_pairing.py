@@ -14,7 +14,7 @@ import pytest
 from backend.api import DoneEvent, GenerateRequest
 from backend.engine import Engine
 from backend.memory.budgets import CacheConfig
-from backend.models.store import PAIRING_FILE, ModelStore
+from backend.weights.store import PAIRING_FILE, ModelStore
 from tests.fixtures.tiny_models import write_tiny_model
 from tests.test_cli import assert_one_line_error, run_cli
 

@@ -36,11 +36,11 @@ from backend.api import SamplingParams
 from backend.engine import Engine
 from backend.errors import InvalidRequestError
 from backend.memory.budgets import CacheBudgets, CacheConfig
-from backend.models.loading import load_model
 from backend.models.qwen3_next import HeadCache, MTPHead
 from backend.sampling import Sampler
 from backend.speculation.mtp import MTPDrafter
 from backend.speculation.rollback import SpeculativeWrite
+from backend.weights.loading import load_model
 from tests.test_speculative import reply, resumed_reply  # reply: (ids, logprobs, DoneEvent, flags)
 
 MTP = "qwen3_next-mtp"

@@ -12,7 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 from backend.engine import Engine
-from backend.models.store import ModelStore
+from backend.weights.store import ModelStore
 from tests.test_gguf import tiny_hf_weights, write_gguf
 
 

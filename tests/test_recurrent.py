@@ -22,7 +22,7 @@ from backend.caches.scan import (
     gated_delta_recurrent,
     unit_lower_inverse,
 )
-from backend.models.loading import load_model
+from backend.weights.loading import load_model
 
 HK, HV, DK, DV = 2, 4, 16, 8
 SCANS = {"recurrent": gated_delta_recurrent, "chunked": gated_delta_chunked}

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from backend.errors import ArborError, ModelLoadError
-from backend.models import store as store_module
-from backend.models.store import DEFAULT_MODEL_NAME, ModelStore, check_safetensors
+from backend.weights import store as store_module
+from backend.weights.store import DEFAULT_MODEL_NAME, ModelStore, check_safetensors
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 64, 128, 2, 96
 
@@ -328,7 +328,7 @@ def test_resolve_each_kind_of_reference(
     imported = store.resolve(gguf_path)
     assert imported == store.root / "tiny"
     calls = []
-    monkeypatch.setattr("backend.models.gguf.import_gguf", lambda *a, **k: calls.append(a))
+    monkeypatch.setattr("backend.weights.gguf.import_gguf", lambda *a, **k: calls.append(a))
     assert store.resolve(str(gguf_path)) == imported and calls == []  # imported once
     assert store.resolve("tiny") == imported  # and now a store name
     monkeypatch.undo()
@@ -378,7 +378,7 @@ def test_default_model_that_moved_with_the_app_stays_the_default(
     shutil.copy2(first / "tiny.gguf", moved / "tiny.gguf")  # same bytes, size and mtime
     monkeypatch.setattr(store_module, "DEFAULT_MODEL_DIR", moved)
     with monkeypatch.context() as patched:
-        patched.setattr("backend.models.gguf.import_gguf",
+        patched.setattr("backend.weights.gguf.import_gguf",
                         lambda *a, **k: pytest.fail("an unchanged default model was imported again"))
         assert store.resolve(None) == path
     write_tiny_gguf(moved / "tiny.gguf", seed=1)  # an update of the app brings another file
@@ -399,7 +399,7 @@ def test_resolve_none_imports_the_default_model_once(
     assert (model.architecture, model.quantization) == ("llama", "4-bit g32 + 8-bit g32")
     assert model.parameters == 134_515_008  # SmolLM2-135M, embedding tied
     monkeypatch.setattr(
-        "backend.models.gguf.import_gguf", lambda *a, **k: pytest.fail("imported twice")
+        "backend.weights.gguf.import_gguf", lambda *a, **k: pytest.fail("imported twice")
     )
     assert store.resolve(None) == path
 

@@ -1,9 +1,10 @@
 """The cache contract: what every cache kind promises to models, the prefix trie and speculation.
 
 A *cache* holds one layer's attention state for one sequence (batch size 1 unless stated).
-Its ``offset`` is the number of tokens it has consumed. Three kinds implement this protocol:
-``KVCache`` (full attention, ``kv.py``), ``RotatingKVCache`` (sliding window, ``rotating.py``) and
-``RecurrentCache`` (conv + gated-delta state, ``recurrent.py``).
+Its ``offset`` is the number of tokens it has consumed. Four kinds implement this protocol:
+``KVCache`` (full attention, ``kv.py``), ``RotatingKVCache`` (sliding window, ``rotating.py``),
+``RecurrentCache`` (conv + gated-delta state, ``recurrent.py``) and ``LatentCache`` (multi-head
+latent attention's latent and rotary key per token, ``latent.py``).
 
 Writing
     Attention layers call ``update(keys, values) -> KVHistory``; models never read cache buffers

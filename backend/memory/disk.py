@@ -18,7 +18,8 @@ Layout under the cache root (the platform cache dir unless configured)::
 The tier is an optimization, so it is one fault boundary: no call here raises for a fault of
 the disk (a full disk, a read-only mount, a directory it may not write, a corrupt index, I/O
 errors). Instead the store degrades and says why once (``mode``, ``note``; one log line per
-kind of failure, not per request):
+kind of failure and one when it first stores again, per process, however often a nearly full
+disk makes it flap):
 
 * ``"on"``: reads and writes.
 * ``"read-only"``: stored states are read; nothing new is stored. Another process holds the
@@ -171,7 +172,7 @@ class DiskStore:
         self._other_writer = False  # another process holds the lock: read-only for good
         self._rows: list[IndexRow] = []
         self._readable = False  # an index was read: what it names can be read from the files
-        self._logged: set[str] = set()  # failure kinds already logged in this episode
+        self._logged: set[str] = set()  # kinds of failure (and 'back') logged: once each
         self._retry_at = 0.0
         self._backoff = retry.first_s
         self._pending_deletes: set[str] = set()
@@ -509,9 +510,9 @@ class DiskStore:
         """A write went through: a tier that was retrying is back for good."""
         if self._recovering:
             self._recovering = False
-            self._logged.clear()
             self._backoff = self._retry.first_s
-            log.warning("prefix cache: the disk tier at %s stores states again", self.dir)
+            self._log_once("back", f"prefix cache: the disk tier at {self.dir} stores states "
+                                   f"again")
 
     def _write_sql(self, statements: list[tuple[str, tuple]], what: str) -> None:
         if not self._writable():

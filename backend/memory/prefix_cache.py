@@ -76,6 +76,10 @@ CAPTURE_INTERVAL = 4096
 PRE_END = 4
 
 
+#: The operations on one slot's request; a fault in any other one leaves every request running.
+_SLOT_OPERATIONS = ("_begin", "_attach_captures", "_commit", "_abort")
+
+
 class PrefixCacheMisuse(RuntimeError, ValueError):
     """The caller broke the protocol (not a fault of the cache): this one is raised."""
 
@@ -123,13 +127,33 @@ class _Request:
     attached: bool = False
 
 
+class LiveSlot:
+    """One sequence's live caches (one per layer) and what they hold: ``live``, the token ids
+    (always a prefix of something the trie stores, or empty), the request writing them
+    (``begin`` .. ``commit``) and the deepest node of the path that request pins. Several
+    slots share one trie: each sequence that runs at the same time has its own."""
+
+    __slots__ = ("caches", "live", "request", "locked")
+
+    def __init__(self, caches: Sequence) -> None:
+        self.caches = list(caches)
+        self.live = array("i")
+        self.request: _Request | None = None
+        self.locked: TrieNode | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.request is not None
+
+
 class PrefixCache:
     """See the module docstring. Used from one thread (the engine's)."""
 
     def __init__(self, caches: Sequence, budgets: CacheBudgets, disk: DiskStore | None = None,
                  evaluate: Callable[[Sequence], None] | None = None,
                  capture_interval: int = CAPTURE_INTERVAL, pre_end: int = PRE_END) -> None:
-        self.caches = list(caches)
+        self.slots = [LiveSlot(caches)]
+        self._slot = self.slots[0]  # the slot the current operation works on
         self.kinds = [c.snapshot_kind for c in self.caches]
         self.budgets = budgets
         self.disk = disk  # kept while its budget is 0: a new budget may enable it again
@@ -137,9 +161,6 @@ class PrefixCache:
         self.capture_interval = capture_interval
         self.pre_end = pre_end
         self.trie = PrefixTrie()
-        self.live = array("i")  # the token ids the live caches hold, always a stored prefix
-        self._locked: TrieNode | None = None  # deepest node of the running request's path
-        self._request: _Request | None = None
         self.tiers = TierLedger(disk)
         self._unpersisted: list[TrieNode] = []
         self._guarding = False  # inside a public operation's fault boundary
@@ -152,13 +173,79 @@ class PrefixCache:
     def _start_from_disk(self) -> None:
         self._load_disk_index(self.disk)
 
+    # -- slots: one per sequence that runs at the same time -----------------------------------
+    # The operations on one request (begin, attach_captures, commit, abort) take its slot (the
+    # first slot when none is given) and make it the current one; ``caches``, ``live``,
+    # ``_request`` and ``_locked`` below are the current slot's.
+    @property
+    def caches(self) -> list:
+        return self._slot.caches
+
+    @property
+    def live(self) -> array:
+        return self._slot.live
+
+    @live.setter
+    def live(self, ids: array) -> None:
+        self._slot.live = ids
+
+    @property
+    def _request(self) -> _Request | None:
+        return self._slot.request
+
+    @_request.setter
+    def _request(self, request: _Request | None) -> None:
+        self._slot.request = request
+
+    @property
+    def _locked(self) -> TrieNode | None:
+        return self._slot.locked
+
+    @_locked.setter
+    def _locked(self, node: TrieNode | None) -> None:
+        self._slot.locked = node
+
+    def _use(self, slot: LiveSlot | None) -> LiveSlot:
+        slot = self.slots[0] if slot is None else slot
+        if not any(slot is s for s in self.slots):
+            raise PrefixCacheMisuse("a slot this prefix cache does not hold")
+        self._slot = slot
+        return slot
+
+    def new_slot(self, caches: Sequence) -> LiveSlot:
+        """Another sequence's live caches (the same layers and kinds as the first slot's)."""
+        caches = list(caches)
+        if [c.snapshot_kind for c in caches] != self.kinds:
+            raise PrefixCacheMisuse("a slot's caches must have the first slot's kinds")
+        slot = LiveSlot(caches)
+        self.slots.append(slot)
+        return slot
+
+    def release_slot(self, slot: LiveSlot) -> None:
+        """Forget an idle slot: its live caches are freed (stored views of them copy out)."""
+        if slot is self.slots[0] or slot.running:
+            raise PrefixCacheMisuse("only an idle slot other than the first can be released")
+        self.slots = [s for s in self.slots if s is not slot]
+        self._slot = self.slots[0]
+        for cache in slot.caches:
+            cache.free()
+        slot.live = array("i")
+        self._guarded_enforce_budgets()
+
+    def choose_slot(self, prompt: TokenIds, slots: Sequence[LiveSlot]) -> LiveSlot:
+        """Of ``slots`` (idle ones), the one whose live caches share the longest prefix with
+        ``prompt``; on a tie the one holding the least (its state is the cheapest to lose)."""
+        prompt = as_ids(prompt)
+        return max(slots, key=lambda s: (common_prefix_length(s.live, prompt), -len(s.live)))
+
     # ============================================================================================
     # 1. begin: restore the longest stored prefix
     # ============================================================================================
-    def begin(self, prompt: TokenIds) -> Resume:
-        """Restore the longest stored prefix of ``prompt`` into the live caches and schedule
-        this prefill's captures. After a fault: nothing restored (``cached`` 0, the caches
-        empty and ready for the whole prompt)."""
+    def begin(self, prompt: TokenIds, slot: LiveSlot | None = None) -> Resume:
+        """Restore the longest stored prefix of ``prompt`` into the slot's live caches and
+        schedule this prefill's captures. After a fault: nothing restored (``cached`` 0, the
+        caches empty and ready for the whole prompt)."""
+        self._use(slot)
         if self._request is not None:
             raise PrefixCacheMisuse("begin() while a request is running: commit or abort it "
                                     "first")
@@ -284,10 +371,11 @@ class PrefixCache:
     # ============================================================================================
     # 2. attach_captures: keep the states the prefill crossed
     # ============================================================================================
-    def attach_captures(self, held: TokenIds) -> None:
+    def attach_captures(self, held: TokenIds, slot: LiveSlot | None = None) -> None:
         """Take the scheduled captures from every cache and store the ones the writes crossed
         (``held``: the ids the caches hold now). Also right after a cancelled prefill. After a
         fault nothing is stored and the request goes on (the live caches are untouched)."""
+        self._use(slot)
         request = self._require_request()
         if request.attached:
             return
@@ -347,15 +435,16 @@ class PrefixCache:
     # ============================================================================================
     # 3. commit: record the generated segment; abort
     # ============================================================================================
-    def commit(self, held: TokenIds) -> None:
+    def commit(self, held: TokenIds, slot: LiveSlot | None = None) -> None:
         """End the request: the caches hold ``held`` (prompt + what was generated and fed).
         After a fault the request ends with nothing recorded and the live caches dropped."""
+        self._use(slot)
         self._require_request()
         self._commit(as_ids(held))
 
     @_fault_boundary(lambda self, held: None)
     def _commit(self, held: array) -> None:
-        self.attach_captures(held)
+        self.attach_captures(held, self._slot)
         if any(cache.offset != len(held) for cache in self.caches):
             raise RuntimeError(f"commit({len(held)} tokens) but the caches are at "
                                f"{[c.offset for c in self.caches]}")
@@ -394,10 +483,14 @@ class PrefixCache:
         self._add_layers(node, missing)
         return node
 
-    @_fault_boundary(lambda self: None)
-    def abort(self) -> None:
+    def abort(self, slot: LiveSlot | None = None) -> None:
         """The request failed while writing: drop the live caches (a half-written cache is never
         reused) and its captures. Stored nodes are untouched (lazy views copy out first)."""
+        self._use(slot)
+        self._abort()
+
+    @_fault_boundary(lambda self: None)
+    def _abort(self) -> None:
         for cache in self.caches:
             close_all(cache.take_snapshots())
             cache.cancel_snapshots()
@@ -428,8 +521,9 @@ class PrefixCache:
     def _split(self, node: TrieNode, at: int, held: array) -> TrieNode | None:
         """Cut ``node`` at ``at`` (inside ``held``'s path); returns the part ending at ``at``.
 
-        The pinned position (the last live token) always lies before ``at``, so a lock on
-        ``node`` moves to the upper part."""
+        The current request's pinned position (its last restored token) lies before ``at``, so
+        its lock on ``node`` moves to the upper part; another slot's pin moves only when it too
+        lies before ``at``."""
         readable = self._load_device(node) is not None
         parts = self._split_snapshots(node, at) if readable else []
         try:
@@ -437,8 +531,9 @@ class PrefixCache:
         except BaseException:
             close_all(p for pair in parts for p in pair)
             raise
-        if self._locked is node:
-            self._relock(upper)
+        for slot in self.slots:  # a pin before ``at`` moves up; one at or after it stays
+            if slot.locked is node and slot.request.cached <= at:
+                self._relock(upper, slot)
         if not readable:
             # Its data is gone; the upper part is still in the live caches (it lies in held).
             self._forget_subtree(node)
@@ -494,13 +589,14 @@ class PrefixCache:
 
     def _forget_unreadable(self, node: TrieNode) -> None:
         """A node's data could not be read: forget it and everything below it (what the live
-        caches hold stays valid: they are the truth for ``self.live``). A running request's
-        lock inside it goes too: what it pinned is gone."""
-        locked = self._locked
-        while locked is not None and locked is not node:
-            locked = locked.parent
-        if locked is node:
-            self._relock(None)
+        caches hold stays valid: they are the truth for ``self.live``). Running requests'
+        locks inside it go too: what they pinned is gone."""
+        for slot in self.slots:
+            locked = slot.locked
+            while locked is not None and locked is not node:
+                locked = locked.parent
+            if locked is node:
+                self._relock(None, slot)
         self._forget_subtree(node)
 
     def _forget_subtree(self, node: TrieNode) -> None:
@@ -515,12 +611,14 @@ class PrefixCache:
     # ============================================================================================
     # Locks: the running request pins the path it restored (begin .. commit)
     # ============================================================================================
-    def _relock(self, node: TrieNode | None) -> None:
+    def _relock(self, node: TrieNode | None, slot: LiveSlot | None = None) -> None:
+        """Make ``node`` the slot's (the current one's) pinned path end (None: pin nothing)."""
+        slot = self._slot if slot is None else slot
         if node is not None:
             self.trie.lock(node)
-        if self._locked is not None and self._locked.parent is not None:
-            self.trie.unlock(self._locked)
-        self._locked = node
+        if slot.locked is not None and slot.locked.parent is not None:
+            self.trie.unlock(slot.locked)
+        slot.locked = node
 
     # -- moves between tiers (built on the transitions) ------------------------------------------
     def _records(self, node: TrieNode) -> LayerRecords | None:
@@ -599,9 +697,9 @@ class PrefixCache:
     def _shrink(self, tier: str, budget: int, evict: Callable[[TrieNode], bool]) -> None:
         if self.tiers.bytes[tier] <= budget:
             return
-        live = {id(n) for n in self.trie.match(self.live).path}
+        live = {id(n) for slot in self.slots for n in self.trie.match(slot.live).path}
         resident = [n for n in self.trie.nodes() if getattr(n.data, f"{tier}_bytes") > 0]
-        # The live conversation's path last, then oldest first, deeper first on ties.
+        # The live conversations' paths last, then oldest first, deeper first on ties.
         resident.sort(key=lambda n: (id(n) in live, n.last_used, -n.start))
         for node in resident:
             if self.tiers.bytes[tier] <= budget:
@@ -645,9 +743,10 @@ class PrefixCache:
         if node.locks == 0 and node.is_leaf:
             self._drop_node(node)
             return True
-        if node.end <= len(self.live) and self._on_live_path(node):
+        holder = self._slot_holding(node)
+        if holder is not None:
             views = [c.snapshot(node.start, node.end) if k == "span" else None
-                     for c, k in zip(self.caches, self.kinds)]
+                     for c, k in zip(holder.caches, self.kinds)]
             self.tiers.clear(node)
             self.tiers.set_device(node, views, tuple(v is not None for v in views))
             return True
@@ -656,8 +755,13 @@ class PrefixCache:
             return True
         return False
 
-    def _on_live_path(self, node: TrieNode) -> bool:
-        return self.trie.match(self.live[:node.end]).node_at(node.end - 1) is node
+    def _slot_holding(self, node: TrieNode) -> LiveSlot | None:
+        """A slot whose live caches hold the node's whole path (None: no slot does)."""
+        for slot in self.slots:
+            if node.end <= len(slot.live) and \
+                    self.trie.match(slot.live[:node.end]).node_at(node.end - 1) is node:
+                return slot
+        return None
 
     # ============================================================================================
     # Restart: rebuild the trie from the disk index
@@ -696,8 +800,8 @@ class PrefixCache:
     # ============================================================================================
     def prefetch(self, prompt: TokenIds, should_stop: Callable[[], bool] = lambda: False) -> int:
         """Bring the stored part of ``prompt`` onto the device without running the model;
-        returns how many of its tokens are now there (0 after a fault)."""
-        self._require_idle()
+        returns how many of its tokens are now there (0 after a fault). Other sequences may be
+        running meanwhile: their pinned paths stay."""
         return self._prefetch(as_ids(prompt), should_stop)
 
     @_fault_boundary(lambda self, prompt, should_stop: 0)
@@ -716,8 +820,7 @@ class PrefixCache:
         return ready
 
     def set_budgets(self, budgets: CacheBudgets) -> None:
-        """New budgets, enforced at once."""
-        self._require_idle()
+        """New budgets, enforced at once (running requests keep their pinned paths)."""
         self.budgets = budgets
         self._guarded_enforce_budgets()
 
@@ -726,15 +829,16 @@ class PrefixCache:
         self._enforce_budgets()
 
     def clear(self) -> None:
-        """Forget every stored prefix (all tiers) and the live caches."""
+        """Forget every stored prefix (all tiers) and every slot's live caches."""
         self._require_idle()
         self._clear()
 
     @_fault_boundary(lambda self: self._drop_everything())
     def _clear(self) -> None:
-        for cache in self.caches:
-            cache.free()
-        self.live = array("i")
+        for slot in self.slots:
+            for cache in slot.caches:
+                cache.free()
+            slot.live = array("i")
         for node in list(self.trie.root.children.values()):
             self._forget_subtree(node)
         if self.disk is not None:
@@ -745,7 +849,7 @@ class PrefixCache:
         """Write what is pending and release the disk store (its writer lock). The cache keeps
         working from memory; what only the disk held is forgotten here (the files stay for the
         next process)."""
-        if self._request is None:
+        if not self.running:
             self.persist()
         if self.disk is None:
             return
@@ -773,7 +877,7 @@ class PrefixCache:
                    self.budgets.disk_bytes if self.disk else 0)
         disk = self.disk
         return CacheStats(tiers=self.tiers.tier_stats(budgets), nodes=len(self.trie),
-                          live_tokens=len(self.live), live_hits=self.tiers.hits["live"],
+                          live_tokens=sum(len(slot.live) for slot in self.slots), live_hits=self.tiers.hits["live"],
                           disk_read_only=disk is not None and disk.read_only,
                           disk_mode=disk.mode if disk is not None else "off",
                           disk_note=disk.note if disk is not None else "no disk tier")
@@ -805,12 +909,13 @@ class PrefixCache:
         assert total == self.tiers.bytes, f"byte counters {self.tiers.bytes} != stored {total}"
         assert count == self.tiers.entries, f"entry counters {self.tiers.entries} != stored {count}"
         locked = sum(c.locks for c in self.trie.root.children.values())
-        assert locked == (self._locked is not None), f"{locked} locked paths"
-        assert self._locked is None or self._request is not None, "a lock outlived its request"
-        if self._locked is not None:
-            cached = self._request.cached
-            assert self._locked.start < cached <= self._locked.end, \
-                f"lock {self._locked} vs restored {cached}"
+        pinned = [slot for slot in self.slots if slot.locked is not None]
+        assert locked == len(pinned), f"{locked} locked paths, {len(pinned)} pinned by slots"
+        for slot in pinned:
+            assert slot.request is not None, "a lock outlived its request"
+            cached = slot.request.cached
+            assert slot.locked.start < cached <= slot.locked.end, \
+                f"lock {slot.locked} vs restored {cached}"
 
     def within_budgets(self) -> bool:
         self.tiers.refresh_lazy()
@@ -825,8 +930,8 @@ class PrefixCache:
 
     @property
     def running(self) -> bool:
-        """True between ``begin`` and ``commit`` / ``abort``."""
-        return self._request is not None
+        """True while any slot's request runs (between ``begin`` and ``commit`` / ``abort``)."""
+        return any(slot.running for slot in self.slots)
 
     def _require_request(self) -> _Request:
         if self._request is None:
@@ -834,7 +939,7 @@ class PrefixCache:
         return self._request
 
     def _require_idle(self) -> None:
-        if self._request is not None:
+        if self.running:
             raise PrefixCacheMisuse("a request is running")
 
     # ============================================================================================
@@ -852,40 +957,42 @@ class PrefixCache:
             self._faults_logged.add(kind)
             log.error("prefix cache: a fault in %s (%s); the cache recovered and the turn goes "
                       "on without it", operation.strip("_"), exc, exc_info=exc)
-        request = self._request
-        writing = request is not None and operation == "_attach_captures"
-        # A fault while restoring or ending a request leaves the live caches in doubt.
-        in_doubt = operation in ("_begin", "_commit", "abort") or request is not None
-        for cache in self.caches:
-            try:
-                close_all(cache.take_snapshots())
-                cache.cancel_snapshots()
-            except Exception:
-                writing = False  # a cache that cannot even do this is reset below
-        if writing:
-            request.offsets = []
-        else:
-            self._request = None
+        own = self._slot if operation in _SLOT_OPERATIONS else None
+        writing = own is not None and own.running and operation == "_attach_captures"
+        if own is not None:
+            for cache in own.caches:
+                try:
+                    close_all(cache.take_snapshots())
+                    cache.cancel_snapshots()
+                except Exception:
+                    pass  # its captures are lost; the request still writes its caches
+            if writing:
+                own.request.offsets = []
+            else:
+                own.request = None  # a fault while restoring or ending it: the caches in doubt
         try:
             self._repair_trie()
-            if writing:
-                self._relock_restored(request)
-            elif in_doubt or not self._trie_holds(self.live):
-                self._drop_live_caches()
+            for slot in self.slots:
+                if slot.running:
+                    self._relock_restored(slot)
+                elif slot is own or not self._trie_holds(slot.live):
+                    self._drop_live_caches(slot)
             self._enforce_budgets()
         except Exception as again:  # the trie itself is beyond repair: start it afresh
             log.error("prefix cache: recovery failed (%s); every stored prefix is dropped",
                       again, exc_info=again)
             self._drop_everything()
-            if not writing:
-                self._drop_live_caches()
+            for slot in self.slots:
+                if not slot.running:
+                    self._drop_live_caches(slot)
 
     def _repair_trie(self) -> None:
         """Forget every node (with its subtree) whose data is missing, on no tier, or whose
         copies disagree with its layers; clear every lock; rebuild the counters."""
         for node in self.trie.nodes():
             node.locks = 0
-        self._locked = None
+        for slot in self.slots:
+            slot.locked = None
         for node in list(self.trie.nodes()):  # parents first
             if node.parent is not None and not self._intact(node):
                 self._drop_subtree_quietly(node)
@@ -931,21 +1038,22 @@ class PrefixCache:
         node.locks = 0
         self.trie.remove_leaf(node)
 
-    def _relock_restored(self, request: _Request) -> None:
-        """Pin the running request's restored path again, where the repair left it."""
+    def _relock_restored(self, slot: LiveSlot) -> None:
+        """Pin a running request's restored path again, where the repair left it."""
+        request = slot.request
         if request.cached == 0:
             return
         match = self.trie.match(request.prompt[:request.cached])
         if match.length == request.cached:
-            self._relock(match.node_at(request.cached - 1))
+            self._relock(match.node_at(request.cached - 1), slot)
 
     def _trie_holds(self, ids: array) -> bool:
         return not ids or self.trie.match(ids).length == len(ids)
 
-    def _drop_live_caches(self) -> None:
-        for cache in self.caches:
+    def _drop_live_caches(self, slot: LiveSlot) -> None:
+        for cache in slot.caches:
             cache.free()
-        self.live = array("i")
+        slot.live = array("i")
 
     def _drop_everything(self) -> None:
         """The last resort: a fresh trie (device snapshots closed where they can be)."""
@@ -955,7 +1063,8 @@ class PrefixCache:
             except Exception:
                 pass
         self.trie = PrefixTrie()
-        self._locked = None
+        for slot in self.slots:
+            slot.locked = None
         self._unpersisted = []
         self.tiers.recount([])
 

@@ -8,16 +8,17 @@ affine-quantized weights at close to bandwidth. Prefill (many rows) is compute b
 on BLAS sgemm: quantized weights are dequantized per call for it, which costs one pass over the
 weights per chunk and keeps only the quantized copy resident.
 
-``use_cpu_kernels(model)`` swaps every ``nn.Linear`` / ``nn.QuantizedLinear`` and the
-embedding's output projection (tied embeddings) for these modules. Parameter names do not
-change, so loading and saving are unaffected.
+``cpu_setup.use_cpu_kernels(model)`` swaps every ``nn.Linear`` / ``nn.QuantizedLinear`` and
+the embedding's output projection (tied embeddings) for these modules. Parameter names do not
+change, so loading and saving are unaffected. This module holds only the layers: the set-up
+that swaps them in (and builds the fused layers on top of them) is ``cpu_setup.py``, so the
+fused layers can import these without an import circle.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map_with_path
 
 from backend import kernels
 
@@ -152,61 +153,3 @@ class StackedProjections:
         if "bias" in w:
             y = y + w["bias"]
         return mx.split(y, self.splits, axis=-1)
-
-
-def _swap(_path: str, module: nn.Module) -> nn.Module:
-    affine = getattr(module, "mode", "affine") == "affine"
-    if isinstance(module, nn.QuantizedLinear) and module.bits in (4, 8) and affine:
-        return KernelQuantizedLinear(module)
-    if isinstance(module, nn.Linear) and type(module) is nn.Linear:
-        return KernelLinear(module.weight, module.get("bias"))
-    if type(module) is nn.QuantizedEmbedding and module.bits in (4, 8) and affine:
-        return KernelQuantizedEmbedding(module)
-    if type(module) is nn.Embedding:
-        return KernelEmbedding(module)
-    return module
-
-
-def use_cpu_kernels(model: nn.Module) -> bool:
-    """Route the model's linear layers, and its RMS norms, RoPE, attention and gates (those
-    with a ``native_ops`` switch) through the native kernels, stack the projections that
-    share an input (``stackable_projections``) and give the layers that allow it their fused
-    few-row forward (``fused``, models/fused_layer.py); False if unavailable."""
-    if not kernels.available():
-        return False
-    model.update_modules(tree_map_with_path(_swap, model.leaf_modules(),
-                                            is_leaf=nn.Module.is_module))
-    for _, module in model.named_modules():
-        if hasattr(module, "native_ops"):
-            module.native_ops = True
-        names = getattr(module, "stackable_projections", ())
-        if names:
-            module.stacked = StackedProjections.build([module[name] for name in names])
-    from backend.models.fused_layer import FusedLayer  # it builds on this module's layers
-
-    for _, module in model.named_modules():
-        if hasattr(module, "fused"):
-            module.fused = FusedLayer.build(module)
-    return True
-
-
-def use_int8_inputs(model: nn.Module) -> int:
-    """Let the model's 4-bit kernel products (groups of 64 or 128) round their inputs to int8,
-    for a draft model: its decode steps take ~20% less time (SmolLM2-135M here), at ~2%
-    relative error in each product, and what it drafts is only a proposal the target
-    verifies, so replies do not change (acceptance may, a little). Rebuilds the fused layers,
-    which copy the setting.
-    Returns how many layers it switched; 0 for models off the kernels or not so quantized."""
-    switched = 0
-    for _, module in model.named_modules():
-        if isinstance(module, (KernelQuantizedLinear, KernelQuantizedEmbedding)) and \
-                kernels.int8_inputs_supported(module.bits, module.group_size):
-            module.int8_inputs = True
-            switched += 1
-    if switched:
-        from backend.models.fused_layer import FusedLayer
-
-        for _, module in model.named_modules():
-            if getattr(module, "fused", None) is not None:
-                module.fused = FusedLayer.build(module)
-    return switched

@@ -35,7 +35,7 @@ from typing import Callable, Protocol, Sequence
 import mlx.core as mx
 
 from backend.caches.base import Cache
-from backend.models.cpu_linear import use_int8_inputs
+from backend.models.cpu_setup import use_int8_inputs
 from backend.sampling import Sampler
 
 

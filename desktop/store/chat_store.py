@@ -2,7 +2,7 @@
 
 Scope: everything the app persists about chats. One ``ChatStore`` per process, used only from the
 GUI thread (the connection refuses other threads). Non-scope: the model store (models live in
-``backend.models.store``), rendering, generation.
+``backend.weights.store``), rendering, generation.
 
 Shape of the data
     conversation  id, title (+ where it came from: placeholder / auto / user), timestamps,

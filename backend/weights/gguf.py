@@ -50,9 +50,9 @@ import numpy as np
 
 from backend.errors import ModelLoadError, UnknownArchitectureError
 from backend.models import architecture_args
-from backend.models.gguf_tokenizer import build_tokenizer
-from backend.models.loading import read_checkpoint
-from backend.models.quantize import (
+from backend.weights.gguf_tokenizer import build_tokenizer
+from backend.weights.loading import read_checkpoint
+from backend.weights.quantize import (
     DEFAULT_GROUP_SIZE,
     SCALE_DTYPE,
     QuantSpec,
