@@ -61,10 +61,16 @@ def app(qtbot, make_loader):
     def start(db: Path, *, model: str = "tiny", wait_for_model: bool = True) -> AppParts:
         parts = create_app(model, loader=make_loader(), store=ChatStore(db))
         made.append(parts)
+        # The load's outcome, whichever it is. (Its signals cross threads queued, so none is
+        # handled before the event loop runs below. ``client.busy`` turns False one queued
+        # event before the outcome is handled: waiting on it alone can see no model yet.)
+        ended: list[bool] = []
+        parts.window.controller.model_loaded.connect(lambda *_: ended.append(True))
+        parts.window.controller.model_failed.connect(lambda *_: ended.append(False))
         parts.window.show()
         qtbot.waitExposed(parts.window)
         if wait_for_model:
-            qtbot.waitUntil(lambda: not parts.client.busy, timeout=20000)
+            qtbot.waitUntil(lambda: bool(ended) and not parts.client.busy, timeout=20000)
         return parts
 
     yield start
