@@ -284,3 +284,27 @@ def test_opening_a_long_chat_shows_its_newest_messages_at_once_and_builds_the_re
     w.open_conversation(w.conversations.conversation_ids()[-1])
     w.open_conversation(summary.id)
     assert len(view.message_widgets()) == WINDOW and len(in_column()) == WINDOW
+
+
+def test_a_chat_whose_state_is_warming_up_says_so_in_the_sidebar(qtbot, open_app):
+    parts = open_app(allowance=None)
+    w = parts.window
+    send(qtbot, w, "Chat B: a first question")
+    qtbot.waitUntil(lambda: idle(w), timeout=30000)
+    b = w.current_id
+    parts.engine.hold()
+    w.new_chat()
+    send(qtbot, w, "Chat A: tell me a story")
+    a = w.current_id
+    stream_until(qtbot, parts.engine, lambda: bool(w.controller.live_text(w.store.path(a)[-1].message.id)))
+    seen: list[str] = []  # chat B's sidebar states, in the order they were shown
+    w.conversations.dataChanged.connect(
+        lambda *_: (row_activity(w, b) or "") not in seen[-1:] and seen.append(row_activity(w, b) or ""))
+    # Opening B queues its prefetch behind A's reply: a while later, B's row says so.
+    w.open_conversation(b)
+    assert row_activity(w, b) == ""  # not at once: most prefetches end before it is worth a repaint
+    qtbot.waitUntil(lambda: row_activity(w, b) == "prefetching", timeout=5000)
+    assert row_activity(w, a) == "generating"
+    parts.engine.open()
+    qtbot.waitUntil(lambda: idle(w) and not w.controller.active_conversations(), timeout=30000)
+    assert row_activity(w, b) == "" and seen[-2:] == ["prefetching", ""]
