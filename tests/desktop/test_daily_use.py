@@ -1,7 +1,8 @@
 """The app as a daily driver, in the real window offscreen with the real tiny model: a reply
 queued behind another chat's says so (sidebar and message) and its statistics count the wait;
 each chat keeps its half-typed message; titles are the user's first message unless they opt in
-to model titles, which never replace one they typed; the drafting setting offers only what the
+to model titles, which never replace one they typed; a reply that stopped early (its token limit,
+or Stop) goes on in the same message with Continue; the drafting setting offers only what the
 loaded model can do; the window's size and sidebar width come back after a restart; the model
 manager closes with a button."""
 
@@ -225,6 +226,31 @@ def test_continue_writes_on_from_a_reply_that_hit_its_token_limit(qtbot, open_ap
     qtbot.waitUntil(lambda: idle(w), timeout=30000)
     assert not w.chat_view.message_widgets()[1].continue_button.isVisible()
     assert w.controller.continue_reply(reply.message.id) is None
+
+
+def test_continue_writes_on_from_a_reply_the_user_stopped(qtbot, open_app):
+    parts = open_app(allowance=0)
+    w = parts.window
+    w.store.set_default_settings(ChatSettings(**{**SETTINGS.to_dict(), "max_tokens": 200}))
+    send(qtbot, w, "Tell me a long story about a lantern.")
+    stream_until(qtbot, parts.engine, lambda: len(w.chat_view.message_widgets()) == 2
+                 and len(w.chat_view.message_widgets()[1].item.message.content) > 3)
+    with qtbot.waitSignal(w.controller.reply_ended, timeout=20000):
+        qtbot.mouseClick(w.composer.stop_button, Qt.MouseButton.LeftButton)
+    [_, reply] = w.store.path(w.current_id)
+    assert reply.message.status == "cancelled"
+    widget = w.chat_view.message_widgets()[-1]
+    assert widget.continue_button.isVisible() and not widget.limit_label.isVisible()  # stopped, not limited
+    parts.engine.open()
+    qtbot.mouseClick(widget.continue_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: idle(w), timeout=30000)
+    [_, after] = w.store.path(w.current_id)
+    assert after.message.id == reply.message.id and after.sibling_count == 1  # the same message, longer
+    assert after.message.status == "complete"
+    assert after.message.content.startswith(reply.message.content)
+    assert len(after.message.content) > len(reply.message.content)
+    if after.message.stats["finish_reason"] != "length":  # it ended by itself: nothing to go on from
+        assert not w.chat_view.message_widgets()[-1].continue_button.isVisible()
 
 
 def test_scrolling_up_reveals_earlier_messages_without_moving_the_view(qtbot, open_app, tmp_path):
