@@ -27,6 +27,7 @@ opened (``measure_context``), which also feeds the window's context meter.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -313,12 +314,20 @@ class ChatController(QObject):
         request_id = self.client.prefetch(request.messages, request)
         self._prefetches[request_id] = (conversation_id, time.monotonic())
         # Shown only once it takes a while: most prefetches end before a repaint is worth it.
-        QTimer.singleShot(int(PREFETCH_SHOWN_AFTER_S * 1000) + 1, self, lambda: self._still_prefetching(request_id))
+        self._still_prefetching(request_id)
         return request_id
 
     def _still_prefetching(self, request_id: int) -> None:
-        if request_id in self._prefetches:
-            self.activity_changed.emit(self._prefetches[request_id][0])
+        """Show a pending prefetch once it has run ``PREFETCH_SHOWN_AFTER_S``. (A timer may wake
+        a little early, coarse timers by up to 5%: then it waits again for the rest.)"""
+        if request_id not in self._prefetches:
+            return
+        conversation_id, since = self._prefetches[request_id]
+        left_ms = math.ceil((since + PREFETCH_SHOWN_AFTER_S - time.monotonic()) * 1000)
+        if left_ms > 0:
+            QTimer.singleShot(left_ms + 1, self, lambda: self._still_prefetching(request_id))
+        else:
+            self.activity_changed.emit(conversation_id)
 
     def measure_context(self, conversation_id: int) -> int | None:
         """Ask the engine how much of the model's context the chat's next prompt uses (answered
