@@ -52,6 +52,14 @@ class GenerateRequest:
     # model), "mtp" (the checkpoint's multi-token-prediction head), "lookup" (prompt n-grams)
     # or "none". The reply is the model's own either way.
     draft: Literal["auto", "model", "mtp", "lookup", "none"] = "auto"
+    # What to do when ``messages`` do not fit the context (``backend.context_policy``): "stop"
+    # refuses with ContextLengthError; "drop_old_turns", "rolling_window" and
+    # "truncate_middle" leave old turns out (``DoneEvent.dropped_messages`` says how many).
+    context_overflow: Literal["stop", "drop_old_turns", "rolling_window",
+                              "truncate_middle"] = "stop"
+    # The last message is an assistant reply that stopped early (max tokens, or stopped by
+    # the user): write on from its end instead of starting a new turn.
+    continue_reply: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,7 @@ class DoneEvent:
     # restoring them took.
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     restore_s: float = 0.0
+    dropped_messages: int = 0  # old messages the context-overflow policy left out
 
 
 @dataclass(frozen=True)
@@ -131,3 +140,6 @@ class ModelInfo:
     quantization: str | None  # e.g. "4-bit g32" or None
     context_length: int
     parameter_bytes: int
+    # Drafters beyond prompt lookup that requests can ask for: "model" (a paired draft model is
+    # loaded), "mtp" (the checkpoint's multi-token-prediction head is in use).
+    drafters: tuple[str, ...] = ()

@@ -12,6 +12,7 @@ Public surface (see docs/ARCHITECTURE.md):
         TokenEvent(text, token_id, from_draft) ... then exactly one DoneEvent(stats)
     stream = engine.submit(request, cancel); while engine.step(): read stream.events
     engine.prefetch(messages=[...])  engine.cache_stats()  engine.clear_cache()  engine.close()
+    engine.fit(request)                 # what the model would see under the request's policy
 
 The engine is a thin orchestrator: a request becomes a ``Sequence`` (``sequence.py``, the
 steps below as a coroutine that yields the forwards it needs), the ``Scheduler``
@@ -21,7 +22,9 @@ the same, bit for bit, whatever else runs beside it.
 
 A request in numbered steps:
 
-1. Turn the request into prompt token ids (chat template or raw ids) and check it fits.
+1. Turn the request into prompt token ids (chat template or raw ids) and check it fits; under a
+   context-overflow policy other than "stop", old turns are left out first (``fit``,
+   ``backend.context_policy``).
 2. Restore the longest prefix stored for any conversation (``backend.memory.PrefixCache``):
    the live caches then hold ``cached`` prompt tokens, brought from the device, host or disk.
 3. Prefill the rest in chunks (``PREFILL_CHUNK`` tokens), checking ``cancel`` between chunks;
@@ -38,12 +41,15 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
 
+from backend import context_policy
 from backend.api import CacheStats, DoneEvent, GenerateRequest, ModelInfo, TokenEvent
+from backend.context_policy import ContextFit
 from backend.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from backend.memory.budgets import CacheBudgets, CacheConfig
 from backend.memory.disk import DiskStore, RetryPolicy
@@ -219,6 +225,7 @@ class Engine:
             quantization=describe_quantization(self.loaded.config),
             context_length=self.context_length,
             parameter_bytes=self.loaded.parameter_bytes,
+            drafters=(self.drafter.kind,) if self.drafter is not None else (),
         )
 
     # -- step 1 --------------------------------------------------------------------------------
@@ -233,6 +240,8 @@ class Engine:
             bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
                 raise InvalidRequestError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        elif request.continue_reply:
+            ids = self._continuation_ids(request.messages)
         else:
             ids = self.tokenizer.apply_chat_template(request.messages)
         if not ids:
@@ -241,6 +250,34 @@ class Engine:
             raise ContextLengthError(
                 f"prompt is {len(ids)} tokens but the model's context is {self.context_length}")
         return ids
+
+    def _continuation_ids(self, messages: list) -> list[int]:
+        """The prompt that writes on from the last message, an assistant reply cut short: the
+        conversation before it with the assistant's turn opened, then the reply's text."""
+        if not messages or messages[-1].get("role") != "assistant":
+            raise InvalidRequestError("continue_reply needs an assistant message last")
+        opened = self.tokenizer.render_chat_template(messages[:-1], add_generation_prompt=True)
+        return self.tokenizer.encode(opened + str(messages[-1].get("content") or ""))
+
+    def fit(self, request: GenerateRequest, fresh: bool = False) -> ContextFit:
+        """What the model sees of ``request``'s messages under its context-overflow policy
+        (``backend.context_policy``; ``fresh``: no earlier cut is known for this conversation):
+        old turns left out when the conversation outgrows the context. A continued reply and
+        raw ids are taken as they are (or refused as too long)."""
+        if request.messages is None or request.continue_reply:
+            ids = self.prompt_ids(request)
+            return ContextFit(request.messages or [], ids, 0, len(ids), self.context_length)
+        if request.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {request.max_tokens}")
+
+        def measure(message) -> int:
+            content = message.get("content")
+            return len(self.tokenizer.encode(content if isinstance(content, str) else "")) \
+                + context_policy.MESSAGE_OVERHEAD
+
+        return context_policy.fit_conversation(
+            request.messages, request.context_overflow, self.context_length, request.max_tokens,
+            self.tokenizer.apply_chat_template, measure, fresh=fresh)
 
     # -- the prefix cache -----------------------------------------------------------------------
     def cache_stats(self) -> CacheStats:
@@ -273,8 +310,12 @@ class Engine:
             self.prefix.clear()
 
     def close(self) -> None:
-        """Write pending states to disk and release the disk tier (its writer lock)."""
+        """End the requests still running or queued (on the stepping thread: their caches are
+        recorded as they stand), write pending states to disk and release the disk tier (its
+        writer lock)."""
         with self._lock:
+            if self._owner in (None, threading.current_thread()) or not self._owner.is_alive():
+                self.scheduler.stop_all()
             self.prefix.close()
 
     # -- generation ----------------------------------------------------------------------------
@@ -282,11 +323,18 @@ class Engine:
         """Queue a request (checked at once: ``InvalidRequestError``, ``ContextLengthError``);
         its events arrive in the returned ``Stream`` as ``step`` runs."""
         t_submit = time.perf_counter()
+        dropped = 0
+        if request.context_overflow != "stop":  # 1: old turns left out under the policy
+            fit = self.fit(request)  # ("stop" is step 1's own check: no second rendering)
+            if fit.dropped:
+                request, dropped = replace(request, messages=fit.messages), fit.dropped
         prompt = self.prompt_ids(request)  # 1
         self._drafter_check(request)
         stream = Stream()
+        sequence = Sequence(self, request, prompt, cancel, t_submit)
+        sequence.dropped_messages = dropped
         with self._lock:
-            self.scheduler.submit(Sequence(self, request, prompt, cancel, t_submit), stream)
+            self.scheduler.submit(sequence, stream)
         return stream
 
     def step(self) -> bool:

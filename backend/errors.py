@@ -47,3 +47,7 @@ class InvalidRequestError(ArborError):
     def __init__(self, message: str = "", param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class MissingDependencyError(ArborError):
+    """An optional package a command needs is not installed; the message says how to get it."""

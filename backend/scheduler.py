@@ -174,6 +174,12 @@ class Scheduler:
                     self._finish(run)
                 return
 
+    def stop_all(self) -> None:
+        for _, stream in list(self.waiting):
+            self.stop(stream)
+        for run in list(self.running):
+            self.stop(run.stream)
+
     def _groups(self, runs: list[_Running]) -> list[list[_Running]]:
         """Feeds packed in arrival order into groups of at most MAX_GROUP_ROWS rows; a bigger
         feed is a group of its own."""

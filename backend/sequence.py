@@ -55,6 +55,7 @@ class Sequence:
         self.reserve_bytes = engine.bytes_per_token * min(
             len(prompt) + request.max_tokens, engine.context_length)
         self.held: list[int] = []  # the ids the lane's live caches hold, at every yield
+        self.dropped_messages = 0  # old messages the context-overflow policy left out
 
     def cancelled(self) -> bool:
         return self.cancel is not None and self.cancel.is_set()
@@ -158,6 +159,7 @@ class Sequence:
             draft_rounds=stats.rounds,
             cached_by_tier=dict(resume.by_tier),
             restore_s=resume.restore_s,
+            dropped_messages=self.dropped_messages,
         )
 
     # -- step 3: prefill ----------------------------------------------------------------------

@@ -145,7 +145,10 @@ def wait_until(condition, timeout_s: float, step_ms: int = 5) -> bool:
 
 class ReplayEngine:
     """A scripted engine for the worker: streams ``text`` in ~4-character tokens at ``rate``
-    tokens per second, honouring cancellation (it exercises the real GUI path, not a model)."""
+    tokens per second, honouring cancellation (it exercises the real GUI path, not a model).
+    The rest of the worker's ``ChatEngine`` surface answers as an engine without a prefix cache
+    would: nothing to prefetch, empty statistics, every chat fits (whitespace-separated words
+    stand for tokens)."""
 
     def __init__(self, text: str, rate: float) -> None:
         from backend.api import ModelInfo
@@ -153,8 +156,58 @@ class ReplayEngine:
         self.text = text
         self.rate = rate
         self.info = ModelInfo("replay", "replay", "float32", None, 8192, 0)
+        self._replies: list = []  # (its events, its stream)
 
-    def generate(self, request, cancel: threading.Event | None = None) -> Iterator:
+    def fit(self, request, fresh: bool = False):
+        from backend.context_policy import ContextFit
+
+        messages = list(request.messages or [])
+        words = sum(len(str(m.get("content", "")).split()) for m in messages)
+        return ContextFit(messages, list(range(words)), 0, words, self.info.context_length)
+
+    def prefetch(self, messages=None, prompt_ids=None, cancel=None) -> int:
+        return 0
+
+    def cache_stats(self):
+        from backend.api import CacheStats, TierStats
+
+        empty = TierStats(0, 0, 0, 0, 0)
+        return CacheStats({"device": empty, "host": empty, "disk": empty}, 0, 0, 0,
+                          disk_mode="off", disk_note="the replay engine keeps no cache")
+
+    def set_cache_budgets(self, budgets) -> None:
+        pass
+
+    def clear_cache(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def submit(self, request, cancel: threading.Event | None = None):
+        from backend.scheduler import Stream
+
+        stream = Stream(waiting=False)
+        self._replies.append((self._events(cancel), stream))
+        return stream
+
+    def step(self) -> bool:
+        """Each reply's next event (replies advance together, as in a batched step)."""
+        for entry in list(self._replies):
+            events, stream = entry
+            event = next(events, None)
+            if event is None:
+                stream.done = True
+                self._replies.remove(entry)
+            else:
+                stream.events.append(event)
+        return bool(self._replies)
+
+    def stop(self, stream) -> None:
+        self._replies = [entry for entry in self._replies if entry[1] is not stream]
+        stream.done = True
+
+    def _events(self, cancel: threading.Event | None) -> Iterator:
         from backend.api import DoneEvent, TokenEvent
 
         pieces = [self.text[i:i + 4] for i in range(0, len(self.text), 4)]
@@ -169,7 +222,6 @@ class ReplayEngine:
         elapsed = time.perf_counter() - start
         yield DoneEvent("".join(pieces[:index + 1]), list(range(index + 1)), "stop", 10, 0, index + 1,
                         1.0 / self.rate, 0.0, (index + 1) / max(elapsed, 1e-9))
-
 
 # ---------------------------------------------------------------------------------------------
 # the benchmark

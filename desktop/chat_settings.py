@@ -1,5 +1,5 @@
-"""Per-chat settings: the system prompt, the sampling knobs and speculative decoding, with
-app-wide defaults.
+"""Per-chat settings: the system prompt, the sampling knobs, speculative decoding and what to do
+when the chat outgrows the model's context, with app-wide defaults.
 
 A conversation stores only the values the user changed (``ChatSettings.to_overrides``); the
 effective settings are the app defaults updated with those overrides, so changing a default later
@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from backend.api import SamplingParams
+from backend.context_policy import DEFAULT_POLICY, POLICIES
 
 #: (minimum, maximum) of each numeric knob, used by the settings dialog and by ``validated``.
 LIMITS: dict[str, tuple[float, float]] = {
@@ -27,17 +28,22 @@ LIMITS: dict[str, tuple[float, float]] = {
 #: settings dialog shows. "auto" is the model's own default: its paired draft model, else
 #: prompt lookup. Drafting never changes the reply, only how fast it comes.
 SPECULATION_CHOICES: dict[str, str] = {
-    "auto": "Automatic (the model's paired draft, else prompt lookup)",
+    "auto": "Automatic (the model's own drafter, else prompt lookup)",
     "model": "Draft model (the model's paired draft)",
+    "mtp": "Multi-token prediction (the checkpoint's own head)",
     "lookup": "Prompt lookup",
     "none": "Off",
 }
+
+#: What a chat does when it outgrows the model's context (``backend.context_policy``).
+CONTEXT_CHOICES: dict[str, str] = POLICIES
 
 
 @dataclass(frozen=True)
 class ChatSettings:
     """What shapes one chat's replies. ``seed=None`` means a fresh random seed per reply;
-    ``speculation`` is one of ``SPECULATION_CHOICES``."""
+    ``speculation`` is one of ``SPECULATION_CHOICES``, ``context_overflow`` one of
+    ``CONTEXT_CHOICES``."""
 
     system_prompt: str = ""
     temperature: float = 0.7
@@ -48,6 +54,7 @@ class ChatSettings:
     max_tokens: int = 1024
     seed: int | None = None
     speculation: str = "auto"
+    context_overflow: str = DEFAULT_POLICY
 
     def sampling(self) -> SamplingParams:
         """The engine's ``SamplingParams`` for these settings."""
@@ -66,6 +73,8 @@ class ChatSettings:
         changes: dict[str, Any] = {}
         if self.speculation not in SPECULATION_CHOICES:
             changes["speculation"] = "auto"
+        if self.context_overflow not in CONTEXT_CHOICES:
+            changes["context_overflow"] = DEFAULT_POLICY
         for name, (low, high) in LIMITS.items():
             value = getattr(self, name)
             kind = int if isinstance(low, int) and isinstance(high, int) else float
@@ -97,6 +106,8 @@ class ChatSettings:
             if key == "system_prompt" and isinstance(value, str):
                 changes[key] = value
             elif key == "speculation" and isinstance(value, str) and value in SPECULATION_CHOICES:
+                changes[key] = value
+            elif key == "context_overflow" and isinstance(value, str) and value in CONTEXT_CHOICES:
                 changes[key] = value
             elif key == "seed" and (value is None or (isinstance(value, int) and not isinstance(value, bool))):
                 changes[key] = value

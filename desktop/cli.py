@@ -465,6 +465,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from backend.paths import cache_dir
     from backend.weights.store import ModelStore
 
+    if args.against == "mlx-lm":
+        bench.require_mlx_lm()  # before any work: one line saying how to get it
     source = ModelStore().resolve(args.model)
     work = cache_dir() / "bench"
     if args.suite == "cache":

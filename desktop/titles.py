@@ -1,9 +1,10 @@
 """Automatic conversation titles.
 
-Two steps, neither on the reply's critical path: when the first message is sent the sidebar gets a
-title cut from it at once (``heuristic_title``); after the first reply ends the controller queues
-a short, low-priority generation (``title_request``) behind it, cancelled if the user sends again
-first, and keeps its answer only if ``clean_title`` accepts it.
+A chat is titled by the user's first message (``heuristic_title``, cut to whole words) the
+moment it is sent. Only when the user opts in (the Chat menu's "Let the model title new chats")
+does the controller, after the first reply, queue a short, low-priority generation
+(``title_request``) behind it, cancelled if the user sends again first; its answer replaces the
+first-message title only if ``clean_title`` accepts it, and never a title the user typed.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ them a scripted showcase reply with reasoning, code and a table, marked as such 
 one reply is generated live by the embedded default model, with its real statistics.
 
 Output (PNG):
+    main-700.png       the showcase conversation with a live follow-up reply (its stats line,
+    main-1180.png      actions and branch arrows) at 700, 1180 (the default) and 1600 px wide:
+    main-1600.png      nothing in the chat column is cut off at any of them
     main-light.png     the window in the light theme on the showcase conversation
     main-dark.png      the dark theme on the live reply from the default model
     search.png         full-text search results in the sidebar
@@ -75,7 +78,7 @@ def reexec_under_xvfb(argv: list[str]) -> int:
         print("screenshots: no display and no xvfb-run (apt-get install xvfb libxcb-cursor0)", file=sys.stderr)
         return 2
     env = {**os.environ, "ARBOR_SCREENSHOT_CHILD": "1", "QT_QPA_PLATFORM": "xcb"}
-    command = ["xvfb-run", "-a", "-s", "-screen 0 1600x1000x24", sys.executable, __file__, *argv]
+    command = ["xvfb-run", "-a", "-s", "-screen 0 1700x1100x24", sys.executable, __file__, *argv]
     return subprocess.call(command, env=env)
 
 
@@ -162,6 +165,17 @@ def main(argv: list[str] | None = None) -> int:
         if widget.reasoning_toggle is not None:
             widget.reasoning_toggle.setChecked(True)
     shoot(window, "main-light.png")
+
+    # A live follow-up in the showcase chat, regenerated once (branch arrows), at three widths.
+    window.send("Which of these would you pick for a 2 GB file, and why?")
+    wait_until(lambda: not window.controller.busy, 900)
+    window.regenerate_last()
+    wait_until(lambda: not window.controller.busy, 900)
+    for width, height in ((700, 560), (1180, 780), (1600, 1000)):
+        window.resize(width, height)
+        wait_until(lambda: window.width() == width, 5)
+        window.chat_view.scroll_to_bottom()
+        shoot(window, f"main-{width}.png")
 
     # A live reply from the model, in the dark theme.
     window.set_theme("dark")

@@ -105,6 +105,16 @@ def test_prompt_over_context_length(capsys, tiny_model_dir):
     assert_one_line_error(code, err, "600", "512")
 
 
+@pytest.mark.parametrize("suite", [[], ["spec"], ["cache"]])
+def test_bench_without_mlx_lm_says_how_to_get_it(capsys, monkeypatch, tiny_model_dir, suite):
+    folder = tiny_model_dir("llama")
+    capsys.readouterr()  # (writing the tiny model the first time prints progress)
+    monkeypatch.setitem(sys.modules, "mlx_lm", None)  # as if it were not installed
+    code, out, err = run_cli(capsys, "bench", *suite, "--model", str(folder))
+    assert_one_line_error(code, err, "mlx-lm is not installed", "arbor-chat[bench]", "--against none")
+    assert out == ""
+
+
 def test_bad_arguments_exit_2(capsys):
     with pytest.raises(SystemExit) as info:
         main(["generate", "--prompt-ids", "1", "--temperature", "warm"])

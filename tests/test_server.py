@@ -91,6 +91,23 @@ def test_chat_completion_counts_tokens_like_the_chat_template(shared, folder):
     assert usage.prompt_tokens_details.cached_tokens >= 0
 
 
+def test_a_long_chat_is_trimmed_only_when_the_request_asks_for_a_policy(shared):
+    """OpenAI clients expect a 400 for a prompt longer than the context; ``context_overflow``
+    (an Arbor extension) leaves old turns out instead, keeping the system prompt."""
+    long = [{"role": "system", "content": "Be brief."}]
+    for turn in range(30):
+        long += [{"role": "user", "content": f"question {turn}: how are things going?"},
+                 {"role": "assistant", "content": f"answer {turn}: fine, thank you."}]
+    long.append({"role": "user", "content": "and now?"})
+    with pytest.raises(openai.BadRequestError, match="context"):
+        chat(shared, messages=long)
+    reply = chat(shared, messages=long, extra_body={"context_overflow": "drop_old_turns"})
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.prompt_tokens < 512
+    with pytest.raises(openai.BadRequestError, match="context_overflow"):
+        chat(shared, messages=long, extra_body={"context_overflow": "forget"})
+
+
 def test_a_streamed_chat_says_what_the_unstreamed_one_says(shared):
     options = dict(max_tokens=8, extra_body={"ignore_eos": True})
     whole = chat(shared, **options)

@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 from backend import blas, kernels
 from backend.api import GenerateRequest
 from backend.engine import Engine
+from backend.errors import MissingDependencyError
 from backend.memory.budgets import CacheConfig
 from backend.tokenizer import Tokenizer
 from backend.weights.loading import load_model
@@ -46,6 +47,21 @@ class Row:
     prefill_tps: float
     decode_tps: float
     weight_bytes: int
+
+
+def require_mlx_lm() -> None:
+    """Raise ``MissingDependencyError`` when mlx-lm, the reference the benchmarks compare
+    against, is not installed (the app's own set-up does not install it)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("mlx_lm") is not None
+    except (ImportError, ValueError):  # a broken or blocked installation
+        found = False
+    if not found:
+        raise MissingDependencyError(
+            "mlx-lm is not installed: pip install 'arbor-chat[bench]' (or pip install "
+            "mlx-lm==0.32.2), or run with --against none for Arbor's rows alone")
 
 
 def memory_bandwidth_gbs(megabytes: int = 512, threads: int = 2) -> float:

@@ -5,7 +5,9 @@ where OpenAI has one. Fields OpenAI clients send that Arbor has no use for (``us
 ``metadata``, ``tools``, ...) are accepted and ignored; a known field asking for something
 Arbor cannot do (``n`` > 1, top logprobs, ``echo``) is a 400 naming it. An explicit ``null``
 means the default, as for an absent field. Extensions beyond OpenAI: ``top_k``, ``min_p``,
-``repetition_penalty`` and ``ignore_eos``.
+``repetition_penalty``, ``ignore_eos`` and, for chat completions, ``context_overflow`` (a
+policy of ``backend.context_policy`` for a conversation longer than the context; without it a
+prompt that is too long is a 400, as OpenAI clients expect).
 """
 
 from __future__ import annotations
@@ -135,6 +137,8 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    context_overflow: Literal["stop", "drop_old_turns", "rolling_window",
+                              "truncate_middle"] | None = None
 
     ONLY = {**_Generation.ONLY, "top_logprobs": (
         (None, 0), "top_logprobs is not supported (only the sampled token's logprob)")}
@@ -143,7 +147,8 @@ class ChatCompletionRequest(_Generation):
         limit = (self.max_completion_tokens if self.max_completion_tokens is not None
                  else self.max_tokens)
         return self._request(context_length, limit, bool(self.logprobs),
-                             messages=[m.as_engine_message() for m in self.messages])
+                             messages=[m.as_engine_message() for m in self.messages],
+                             context_overflow=self.context_overflow or "stop")
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]

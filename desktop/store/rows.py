@@ -59,6 +59,8 @@ STATS_FIELDS: dict[str, type] = {
     "mean_accepted": float,
     "cached_by_tier": dict,  # tier name -> tokens (numbers)
     "restore_s": float,
+    "queue_s": float,  # waiting behind other work before the model began (ttft_s includes it)
+    "dropped_messages": float,
 }
 #: What every query for whole messages selects from ``messages m``: ``RowReader.message`` needs
 #: ``parent_found``.

@@ -3,7 +3,12 @@ the composer underneath.
 
 ``ChatView`` is a view in the Qt sense: it never reads the store, it follows the model's row
 signals (reset, insert, remove, data changed) and creates, updates or drops message widgets.
-Long paths show their last ``WINDOW`` messages; "Show earlier messages" reveals more.
+Long paths show their last ``WINDOW`` messages; scrolling near the top (or "Show earlier
+messages") reveals ``REVEAL_STEP`` more above, and the messages on screen stay where they were.
+Opening a chat builds its last ``FIRST_PAINT`` messages at once and the others one per turn of
+the event loop, newest first, so the window never stalls for a whole chat's Markdown; asking for
+the widgets (``message_widgets``, ``widget_for``) finishes the build first.
+The column is exactly as wide as the view: no message sets its width (see ``MessageWidget``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from desktop.ui.message_widget import MessageWidget
 
 WINDOW = 60
 REVEAL_STEP = 40
+REVEAL_MARGIN_PX = 48  # scrolled this close to the top, earlier messages are revealed
+FIRST_PAINT = 2  # messages built at once when a chat opens; the rest follow one per event
 
 
 class ChatView(QScrollArea):
@@ -35,6 +42,7 @@ class ChatView(QScrollArea):
 
     edit_submitted = Signal(int, str)
     regenerate_clicked = Signal(int)
+    continue_clicked = Signal(int)
     sibling_requested = Signal(int)
     code_copied = Signal(str)
     message_copied = Signal(int)
@@ -44,8 +52,12 @@ class ChatView(QScrollArea):
         self.model = model
         self._renderer = renderer
         self._widgets: list[MessageWidget | None] = []  # parallel to model rows; None = not shown
+        self._pending: list[int] = []  # rows still to build, the next first (see the docstring)
         self._streaming_ids: set[int] = set()
+        self._waiting: dict[int, str] = {}  # queued reply's message id -> what it waits for
         self._stick_to_bottom = True
+        self._anchor: int | None = None  # distance from the bottom kept while earlier messages appear
+        self._restoring = False
         self.setWidgetResizable(True)
         self.setFrameShape(QFrame.Shape.NoFrame)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
@@ -83,10 +95,19 @@ class ChatView(QScrollArea):
     # -- queries ---------------------------------------------------------------------------------
 
     def widget_for(self, message_id: int) -> MessageWidget | None:
+        self._flush()
         return next((w for w in self._widgets if w is not None and w.message_id == message_id), None)
 
     def message_widgets(self) -> list[MessageWidget]:
+        self._flush()
+        return self._built()
+
+    def _built(self) -> list[MessageWidget]:
         return [w for w in self._widgets if w is not None]
+
+    def _hidden(self) -> list[int]:
+        """Rows not shown and not about to be: revealed by scrolling up."""
+        return [row for row, w in enumerate(self._widgets) if w is None and row not in self._pending]
 
     # -- control ---------------------------------------------------------------------------------
 
@@ -98,9 +119,15 @@ class ChatView(QScrollArea):
             if widget is not None and widget.message_id in changed:
                 widget.update_item(self.model.item(row), streaming=widget.message_id in self._streaming_ids)
 
+    def set_waiting(self, waiting: dict[int, str]) -> None:
+        """Queued replies (message id -> what each waits for); they show "queued" and why."""
+        self._waiting = dict(waiting)
+        for widget in self._built():
+            widget.set_waiting(self._waiting.get(widget.message_id, ""))
+
     def set_renderer(self, renderer: MarkdownRenderer) -> None:
         self._renderer = renderer
-        for widget in self.message_widgets():
+        for widget in self._built():
             widget.set_renderer(renderer)
 
     def scroll_to_message(self, message_id: int) -> None:
@@ -108,6 +135,7 @@ class ChatView(QScrollArea):
         row = self.model.row_of(message_id)
         if row is None:
             return
+        self._flush()
         while self._widgets[row] is None:
             self.reveal_earlier()
         widget = self._widgets[row]
@@ -123,7 +151,14 @@ class ChatView(QScrollArea):
         bar.setValue(bar.maximum())
 
     def reveal_earlier(self) -> None:
-        hidden = [row for row, w in enumerate(self._widgets) if w is None]
+        """Show up to ``REVEAL_STEP`` more messages above; what is on screen stays in place."""
+        self._flush()
+        hidden = self._hidden()
+        if not hidden:
+            return
+        bar = self.verticalScrollBar()
+        self._anchor = bar.maximum() - bar.value()
+        self._stick_to_bottom = False
         for row in reversed(hidden[-REVEAL_STEP:]):
             self._materialize(row)
         self._earlier.setVisible(any(w is None for w in self._widgets))
@@ -131,31 +166,42 @@ class ChatView(QScrollArea):
     # -- model signals ---------------------------------------------------------------------------
 
     def _rebuild(self) -> None:
-        for widget in self.message_widgets():
+        for widget in self._built():
             self._column.removeWidget(widget)
             widget.deleteLater()
         self._widgets = [None] * self.model.rowCount()
         first = max(0, len(self._widgets) - WINDOW)
-        for row in range(first, len(self._widgets)):
+        rows = list(range(len(self._widgets) - 1, first - 1, -1))  # newest first
+        self._pending = rows[FIRST_PAINT:]
+        for row in rows[:FIRST_PAINT]:
             self._materialize(row)
+        if self._pending:
+            QTimer.singleShot(0, self, self._build_next)
         self._earlier.setVisible(first > 0)
         self._empty.setVisible(not self._widgets)
         self._stick_to_bottom = True
+        self._anchor = None
+        self._mark_last()
 
     def _on_rows_inserted(self, parent: QModelIndex, first: int, last: int) -> None:
+        self._flush()
         for row in range(first, last + 1):
             self._widgets.insert(row, None)
             self._materialize(row)
         self._empty.setVisible(False)
         self._stick_to_bottom = True
+        self._anchor = None
+        self._mark_last()
 
     def _on_rows_removed(self, parent: QModelIndex, first: int, last: int) -> None:
+        self._flush()
         for widget in self._widgets[first:last + 1]:
             if widget is not None:
                 self._column.removeWidget(widget)
                 widget.deleteLater()
         del self._widgets[first:last + 1]
         self._empty.setVisible(not self._widgets)
+        self._mark_last()
 
     def _on_data_changed(self, top_left: QModelIndex, bottom_right: QModelIndex, roles=()) -> None:
         for row in range(top_left.row(), bottom_right.row() + 1):
@@ -169,10 +215,12 @@ class ChatView(QScrollArea):
     def _materialize(self, row: int) -> None:
         item = self.model.item(row)
         widget = MessageWidget(item, self._renderer)
+        widget.waiting = self._waiting.get(item.message.id, "")
         if item.message.id in self._streaming_ids:
             widget.update_item(item, streaming=True)
         widget.edit_submitted.connect(self.edit_submitted)
         widget.regenerate_clicked.connect(self.regenerate_clicked)
+        widget.continue_clicked.connect(self.continue_clicked)
         widget.sibling_requested.connect(self.sibling_requested)
         widget.code_copied.connect(self.code_copied)
         widget.copy_clicked.connect(self.message_copied)
@@ -181,13 +229,45 @@ class ChatView(QScrollArea):
         self._column.insertWidget(1 + shown_before, widget)
         self._widgets[row] = widget
 
+    def _build_next(self) -> None:
+        """One more message of the chat being opened (the newest not built yet)."""
+        if self._pending:
+            self._materialize(self._pending.pop(0))
+        if self._pending:
+            QTimer.singleShot(0, self, self._build_next)
+
+    def _flush(self) -> None:
+        """Build what the chat being opened still lacks, now."""
+        while self._pending:
+            self._materialize(self._pending.pop(0))
+
+    def _mark_last(self) -> None:
+        shown = self._built()
+        for widget in shown:
+            widget.set_last(widget is shown[-1])
+
     def _remember_position(self, value: int) -> None:
+        if self._restoring:
+            return
         bar = self.verticalScrollBar()
+        self._anchor = None  # the user scrolled: nothing is held in place any more
         self._stick_to_bottom = value >= bar.maximum() - 24
+        if value <= REVEAL_MARGIN_PX and bar.maximum() > 0 and not self._pending and self._hidden():
+            QTimer.singleShot(0, self.reveal_earlier)
 
     def _follow_bottom(self, _minimum: int, maximum: int) -> None:
-        if self._stick_to_bottom:
-            self.verticalScrollBar().setValue(maximum)
+        bar = self.verticalScrollBar()
+        if self._anchor is not None:  # earlier messages appeared above: keep the view still
+            target = maximum - self._anchor
+        elif self._stick_to_bottom:
+            target = maximum
+        else:
+            return
+        self._restoring = True
+        try:
+            bar.setValue(target)
+        finally:
+            self._restoring = False
 
     @staticmethod
     def _unhighlight(widget: MessageWidget) -> None:

@@ -26,6 +26,10 @@ PinnedRole = Qt.ItemDataRole.UserRole + 3
 WarmRole = Qt.ItemDataRole.UserRole + 4
 UpdatedAtRole = Qt.ItemDataRole.UserRole + 5
 SummaryRole = Qt.ItemDataRole.UserRole + 6
+ActivityRole = Qt.ItemDataRole.UserRole + 7  # "generating", "queued", "prefetching" or ""
+
+#: How the sidebar names each activity.
+ACTIVITY_WORDS = {"generating": "writing…", "queued": "queued", "prefetching": "warming up"}
 
 Index = QModelIndex | QPersistentModelIndex
 
@@ -104,6 +108,7 @@ class ConversationListModel(QAbstractListModel):
         self._rows: list[Row] = []
         self._total = 0
         self._warm: frozenset[int] = frozenset()
+        self._activity: dict[int, str] = {}
         self.reload()
 
     # -- Qt model API ----------------------------------------------------------------------------
@@ -124,11 +129,15 @@ class ConversationListModel(QAbstractListModel):
         summary = row.summary
         if role in (Qt.ItemDataRole.DisplayRole, Qt.ItemDataRole.EditRole):
             return summary.title
+        activity = self._activity.get(summary.id, "")
         if role == Qt.ItemDataRole.ToolTipRole:
-            return summary.title
+            return summary.title + (f" ({ACTIVITY_WORDS[activity]})" if activity else "")
         if role == Qt.ItemDataRole.AccessibleTextRole:
-            extras = [" (pinned)" if summary.pinned else "", " (warm)" if summary.id in self._warm else ""]
+            extras = [" (pinned)" if summary.pinned else "", " (warm)" if summary.id in self._warm else "",
+                      f" ({ACTIVITY_WORDS[activity]})" if activity else ""]
             return summary.title + "".join(extras)
+        if role == ActivityRole:
+            return activity
         if role == ConversationIdRole:
             return summary.id
         if role == IsHeaderRole:
@@ -218,6 +227,18 @@ class ConversationListModel(QAbstractListModel):
             if isinstance(item, ConversationRow) and item.summary.id in changed:
                 index = self.index(row)
                 self.dataChanged.emit(index, index, [WarmRole, Qt.ItemDataRole.AccessibleTextRole])
+
+    def set_activity(self, activity: dict[int, str]) -> None:
+        """Which conversations have a reply queued or generating, or a prefetch running
+        (conversation id -> ``ActivityRole`` value); the others have none."""
+        changed = {cid for cid in activity.keys() | self._activity.keys()
+                   if activity.get(cid) != self._activity.get(cid)}
+        self._activity = {cid: a for cid, a in activity.items() if a in ACTIVITY_WORDS}
+        for row, item in enumerate(self._rows):
+            if isinstance(item, ConversationRow) and item.summary.id in changed:
+                index = self.index(row)
+                self.dataChanged.emit(index, index, [ActivityRole, Qt.ItemDataRole.ToolTipRole,
+                                                     Qt.ItemDataRole.AccessibleTextRole])
 
     def _append(self, page: list[ConversationSummary]) -> None:
         """Add the next page at the end in one insert (the common case of scrolling down)."""

@@ -6,6 +6,11 @@ manager), and their signals come back here to update the models.
 
 The conversation on screen is ``current_id``; ``None`` is a new, unsaved chat that becomes a
 stored conversation when its first message is sent (so "New chat" never leaves empty chats).
+Each chat keeps its own half-typed message (``drafts``), kept across restarts.
+
+The chat header shows the context meter (the tokens the model will see of this chat / the
+model's context) and, under it, a warning when the chat nears the context or already outgrows
+it. The sidebar shows which chats are queued, generating or prefetching.
 """
 
 from __future__ import annotations
@@ -30,12 +35,13 @@ from PySide6.QtWidgets import (
 
 from backend.api import ModelInfo
 from desktop import transfer
-from desktop.chat_controller import ChatController
-from desktop.chat_settings import ChatSettings
+from desktop.chat_controller import AUTO_TITLE_KEY, ChatController, ContextUse
+from desktop.chat_settings import CONTEXT_CHOICES, ChatSettings
 from desktop.model_tasks import ModelTaskRunner
 from desktop.store import PLACEHOLDER_TITLE, ChatStore, SearchHit, StoreError
 from desktop.ui.chat_view import ChatView, Composer
 from desktop.ui.conversation_list_model import ConversationListModel
+from desktop.ui.elided_label import ElidedLabel
 from desktop.ui.markdown_render import MarkdownRenderer
 from desktop.ui.message_path_model import MessagePathModel
 from desktop.ui.model_manager import ModelManagerDialog
@@ -44,12 +50,20 @@ from desktop.ui.sidebar import Sidebar
 from desktop.ui.simple_models import SearchResultsModel
 from desktop.ui.theme import THEME_KEY, ThemeManager
 from desktop.ui.cache_dialog import CacheDialog
+from desktop.window_state import WindowState
 from desktop.worker import InferenceClient
 
 log = logging.getLogger(__name__)
 
 LAST_CONVERSATION_KEY = "last_conversation"
 LAST_MODEL_KEY = "last_model"
+DRAFTS_KEY = "composer_drafts"  # conversation id -> the message half typed there
+SIDEBAR_MIN_WIDTH = 180
+SIDEBAR_WIDTH = 280  # until the user drags the splitter
+CHAT_COMFORT_WIDTH = 500  # a narrow window takes from the sidebar (down to its minimum) first
+HEADER_MODEL_WIDTH = 720  # the chat column shows the model's name from this width
+#: The context meter warns once a chat and its reply's room fill this share of the context.
+CONTEXT_WARNING = 0.8
 
 
 class MainWindow(QMainWindow):
@@ -77,6 +91,11 @@ class MainWindow(QMainWindow):
         self._deleted: list[tuple[int, str]] = []
         self._model_manager: ModelManagerDialog | None = None
         self._settings_dialog: ChatSettingsDialog | None = None
+        drafts = store.app_setting(DRAFTS_KEY, {})
+        self.drafts: dict[int | None, str] = {
+            int(k): v for k, v in (drafts.items() if isinstance(drafts, dict) else ())
+            if str(k).isdigit() and isinstance(v, str)}
+        self.context_use: dict[int, ContextUse] = {}
 
         store.purge_deleted()  # an undo window never outlives the session that opened it
         self.conversations = ConversationListModel(store.list_conversations, store.count_conversations, parent=self)
@@ -91,6 +110,8 @@ class MainWindow(QMainWindow):
         self._build_actions()
         self._connect()
         self._apply_theme(theme.dark)
+        self.window_state = WindowState(store.location)
+        self.sidebar_width = self.window_state.restore(self, self.splitter) or SIDEBAR_WIDTH
 
         QTimer.singleShot(300, self.renderer.warm_up)  # while the user reads, not while they wait
         if store.app_setting_problems:
@@ -108,21 +129,27 @@ class MainWindow(QMainWindow):
         header.setObjectName("chatHeader")
         row = QHBoxLayout(header)
         row.setContentsMargins(16, 8, 12, 4)
-        self.title_label = QLabel(PLACEHOLDER_TITLE)
+        row.setSpacing(12)
+        self.title_label = ElidedLabel(PLACEHOLDER_TITLE)
         self.title_label.setObjectName("chatTitle")
         font = self.title_label.font()
         font.setBold(True)
         self.title_label.setFont(font)
         self.title_label.setAccessibleName("Conversation title")
-        self.model_label = QLabel("No model")
+        self.model_label = ElidedLabel("No model")
         self.model_label.setObjectName("modelLabel")
         self.model_label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
         self.model_label.setAccessibleName("Loaded model")
+        self.context_label = ElidedLabel()
+        self.context_label.setObjectName("contextMeter")
+        self.context_label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
+        self.context_label.setAccessibleName("Context used")
         self.models_button = QPushButton("Models…")
         self.models_button.setAccessibleName("Open the model manager")
         self.settings_button = QPushButton("Chat settings…")
         self.settings_button.setAccessibleName("Open chat settings")
         row.addWidget(self.title_label, 1)
+        row.addWidget(self.context_label)
         row.addWidget(self.model_label)
         row.addWidget(self.models_button)
         row.addWidget(self.settings_button)
@@ -135,6 +162,12 @@ class MainWindow(QMainWindow):
         self.notice_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.notice_label.setMinimumWidth(1)  # a long line is cut (full text in the tooltip), never widens the window
         self.notice_label.hide()
+        # The chat nears or outgrows the model's context: what happens next, in one line.
+        self.context_warning = ElidedLabel()
+        self.context_warning.setObjectName("contextWarning")
+        self.context_warning.setContentsMargins(16, 0, 12, 4)
+        self.context_warning.setAccessibleName("Context warning")
+        self.context_warning.hide()
 
         right = QWidget()
         column = QVBoxLayout(right)
@@ -142,6 +175,7 @@ class MainWindow(QMainWindow):
         column.setSpacing(0)
         column.addWidget(header)
         column.addWidget(self.notice_label)
+        column.addWidget(self.context_warning)
         column.addWidget(self.chat_view, 1)
         column.addWidget(self.composer)
 
@@ -151,6 +185,11 @@ class MainWindow(QMainWindow):
         splitter.setStretchFactor(1, 1)
         splitter.setSizes([280, 900])
         splitter.setChildrenCollapsible(False)
+        self.sidebar.setMinimumWidth(SIDEBAR_MIN_WIDTH)  # a small window narrows the chat first
+        right.setMinimumWidth(360)
+        self.splitter = splitter
+        self.sidebar_width = SIDEBAR_WIDTH  # what the user chose; narrow windows show less
+        splitter.splitterMoved.connect(lambda _pos, _index: self._remember_sidebar_width())
         self.setCentralWidget(splitter)
         self.status_label = QLabel()
         self.status_label.setAccessibleName("Status")
@@ -196,6 +235,14 @@ class MainWindow(QMainWindow):
         self._action(chat, "Pin / unpin", lambda: self.toggle_pin(self.current_id), ["Ctrl+Shift+P"])
         self._action(chat, "Delete", lambda: self.delete_conversation(self.current_id), ["Ctrl+Shift+Backspace"])
         self._action(chat, "Chat settings…", self.open_chat_settings, ["Ctrl+,"])
+        chat.addSeparator()
+        self.model_titles_action = QAction("Let the model title new chats", self, checkable=True)
+        self.model_titles_action.setToolTip("Off: a chat is titled by your first message. On: the "
+                                            "model writes a title after the first reply (never "
+                                            "replacing one you typed)")
+        self.model_titles_action.setChecked(self.store.app_setting(AUTO_TITLE_KEY, False) is True)
+        self.model_titles_action.toggled.connect(self.set_model_titles)
+        chat.addAction(self.model_titles_action)
 
         models = bar.addMenu("&Models")
         self._action(models, "Model manager…", self.open_model_manager, ["Ctrl+Shift+M"])
@@ -229,6 +276,7 @@ class MainWindow(QMainWindow):
         self.composer.input.installEventFilter(self)
         self.chat_view.edit_submitted.connect(self.edit_and_resend)
         self.chat_view.regenerate_clicked.connect(self.regenerate)
+        self.chat_view.continue_clicked.connect(self.continue_reply)
         self.chat_view.sibling_requested.connect(c.select_branch)
         self.chat_view.code_copied.connect(lambda _code: self.statusBar().showMessage("Code copied", 2000))
         self.chat_view.message_copied.connect(lambda _mid: self.statusBar().showMessage("Message copied", 2000))
@@ -240,6 +288,8 @@ class MainWindow(QMainWindow):
         c.reply_updated.connect(self._on_reply_updated)
         c.reply_ended.connect(self._on_reply_ended)
         c.conversation_changed.connect(self._on_conversation_changed)
+        c.activity_changed.connect(self._on_activity_changed)
+        c.context_measured.connect(self._on_context_measured)
         c.model_loading.connect(lambda label: self._set_model_status(f"Loading {label}…"))
         c.model_loaded.connect(self._on_model_loaded)
         c.model_failed.connect(self._on_model_failed)
@@ -248,8 +298,12 @@ class MainWindow(QMainWindow):
     # -- conversations ---------------------------------------------------------------------------
 
     def open_conversation(self, conversation_id: int | None) -> None:
-        """Show a conversation (None: a new, unsaved chat)."""
+        """Show a conversation (None: a new, unsaved chat), with its own half-typed message."""
+        self._keep_draft()
         self.current_id = conversation_id
+        self.composer.input.setPlainText(self.drafts.get(conversation_id, ""))
+        self.composer.input.moveCursor(self.composer.input.textCursor().MoveOperation.End)
+        self._show_context()
         if conversation_id is None:
             self.path_model.set_path(None, [])
             self.title_label.setText(PLACEHOLDER_TITLE)
@@ -259,6 +313,7 @@ class MainWindow(QMainWindow):
             self.title_label.setText(self.store.conversation(conversation_id).title)
             self.sidebar.select_conversation(conversation_id)
             self.store.set_app_setting(LAST_CONVERSATION_KEY, conversation_id)
+            self.controller.measure_context(conversation_id)  # before the prefetch: it may set the cut
             self.controller.prefetch(conversation_id)
         self._show_notice()
         self.chat_view.scroll_to_bottom()
@@ -343,8 +398,14 @@ class MainWindow(QMainWindow):
             self.current_id = self.store.create_conversation().id
             self.store.set_app_setting(LAST_CONVERSATION_KEY, self.current_id)
             self.path_model.set_path(self.current_id, [])
+            self.drafts.pop(None, None)
         self.controller.send(self.current_id, text)
         self.sidebar.select_conversation(self.current_id)
+        if self.drafts.pop(self.current_id, None) is not None:
+            self._save_drafts()
+
+    def continue_reply(self, message_id: int) -> None:
+        self.controller.continue_reply(message_id)
 
     def stop(self) -> None:
         if self.current_id is not None:
@@ -367,11 +428,72 @@ class MainWindow(QMainWindow):
     def _show_path(self) -> None:
         items = self.store.path(self.current_id) if self.current_id is not None else []
         self.chat_view.set_streaming(self._streaming_ids())
+        self.chat_view.set_waiting(self._waiting())
         self.path_model.set_path(self.current_id, items)
 
     def _streaming_ids(self) -> set[int]:
         reply = self.controller.active_reply(self.current_id) if self.current_id is not None else None
         return {reply.message_id} if reply is not None else set()
+
+    def _keep_draft(self) -> None:
+        """Remember what is typed in the message box for the chat on screen."""
+        text = self.composer.input.toPlainText()
+        if text == self.drafts.get(self.current_id, ""):
+            return
+        if text:
+            self.drafts[self.current_id] = text
+        else:
+            self.drafts.pop(self.current_id, None)
+        self._save_drafts()
+
+    def _save_drafts(self) -> None:
+        self.store.set_app_setting(DRAFTS_KEY, {str(k): v for k, v in self.drafts.items() if k is not None})
+
+    def _on_activity_changed(self, _conversation_id: int) -> None:
+        activity = {cid: self.controller.activity(cid) for cid in self.controller.active_conversations()}
+        self.conversations.set_activity(activity)
+        self.chat_view.set_waiting(self._waiting())
+
+    def _waiting(self) -> dict[int, str]:
+        reply = self.controller.active_reply(self.current_id) if self.current_id is not None else None
+        waiting = self.controller.waiting_for(self.current_id) if reply is not None else ""
+        return {reply.message_id: waiting} if waiting else {}
+
+    def _on_context_measured(self, conversation_id: int, use: ContextUse) -> None:
+        self.context_use[conversation_id] = use
+        if conversation_id == self.current_id:
+            self._show_context()
+
+    def _show_context(self) -> None:
+        """The context meter and, when the chat nears or outgrows the context, what happens."""
+        use = self.context_use.get(self.current_id) if self.current_id is not None else None
+        if use is None:
+            self.context_label.setText("")
+            self.context_label.setToolTip("")
+            self.context_warning.hide()
+            return
+        self.context_label.setText(f"{use.prompt:,} / {use.context:,} tokens")
+        policy = CONTEXT_CHOICES.get(use.policy, use.policy)
+        self.context_label.setToolTip(
+            f"The model sees {use.prompt:,} tokens of this chat (all of it: {use.total:,}); its "
+            f"context holds {use.context:,}, of which {use.reply_room:,} stay free for the reply. "
+            f"When the chat is too long: {policy}.")
+        warning = ""
+        if use.over:
+            warning = (f"This chat ({use.total:,} tokens) no longer fits the model's context "
+                       f"({use.context:,}): the next reply will fail under “{policy}”. Choose "
+                       "another policy in Chat settings, or start a new chat.")
+        elif use.dropped:
+            warning = (f"The model sees the last {use.prompt:,} tokens of this chat: {use.dropped} "
+                       f"older message{'s are' if use.dropped != 1 else ' is'} left out ({policy}).")
+        elif use.total + use.reply_room > CONTEXT_WARNING * use.context:
+            left = max(0, use.context - use.reply_room - use.total)
+            then = ("the reply after that fails" if use.policy == "stop"
+                    else "older turns are left out from then on")
+            warning = (f"This chat nears the model's context: about {left:,} tokens left, then "
+                       f"{then} ({policy}).")
+        self.context_warning.setText(warning)
+        self.context_warning.setVisible(bool(warning))
 
     def _show_notice(self) -> None:
         """The open chat's unreadable parts in one line (hidden when it was read as written)."""
@@ -419,9 +541,13 @@ class MainWindow(QMainWindow):
     # -- settings --------------------------------------------------------------------------------
 
     def open_chat_settings(self) -> ChatSettingsDialog:
-        """Open the (non-modal) settings dialog for the chat on screen."""
+        """Open the (non-modal) settings dialog for the chat on screen; it offers the drafting
+        the loaded model can do."""
         current = self.store.settings(self.current_id) if self.current_id is not None else self.store.default_settings()
-        dialog = ChatSettingsDialog(current, self.store.default_settings(), title="Chat settings", parent=self)
+        info = self.controller.model_info
+        dialog = ChatSettingsDialog(current, self.store.default_settings(), title="Chat settings",
+                                    drafting=self.controller.available_drafting() if info else None,
+                                    model_name=info.name if info else "The loaded model", parent=self)
         dialog.applied.connect(self.apply_chat_settings)
         dialog.defaults_saved.connect(self.store.set_default_settings)
         dialog.finished.connect(dialog.deleteLater)
@@ -437,7 +563,12 @@ class MainWindow(QMainWindow):
             self.sidebar.select_conversation(self.current_id)
         self.store.set_settings(self.current_id, settings)
         self._show_notice()  # saved settings replace unreadable ones
+        self.controller.measure_context(self.current_id)  # the policy or reply room may differ
         self.statusBar().showMessage("Chat settings saved", 2000)
+
+    def set_model_titles(self, on: bool) -> None:
+        """Model-written titles for new chats (off: the first message is the title)."""
+        self.store.set_app_setting(AUTO_TITLE_KEY, bool(on))
 
     def set_theme(self, choice: str) -> None:
         self.store.set_app_setting(THEME_KEY, choice)
@@ -481,6 +612,7 @@ class MainWindow(QMainWindow):
         if self._model_manager is not None:
             self._model_manager.set_loaded(info.name)
         if self.current_id is not None:  # the chat on screen: warm its cached state now
+            self.controller.measure_context(self.current_id)
             self.controller.prefetch(self.current_id)
 
     def _on_model_failed(self, message: str) -> None:
@@ -548,7 +680,28 @@ class MainWindow(QMainWindow):
             return True
         return super().eventFilter(watched, event)
 
+    def resizeEvent(self, event) -> None:  # noqa: N802 - Qt override
+        super().resizeEvent(event)
+        self._fit_sidebar()
+        # A narrow chat column keeps the title and the meter; the model's name is in the status
+        # bar as well.
+        self.model_label.setVisible(self.width() - self.splitter.sizes()[0] >= HEADER_MODEL_WIDTH)
+
+    def _remember_sidebar_width(self) -> None:
+        self.sidebar_width = self.splitter.sizes()[0]
+
+    def _fit_sidebar(self) -> None:
+        """The sidebar at the user's width, narrower (down to its minimum) while the chat column
+        would otherwise be cramped."""
+        handle = self.splitter.handleWidth()
+        total = self.splitter.width()
+        want = max(SIDEBAR_MIN_WIDTH, min(self.sidebar_width, total - handle - CHAT_COMFORT_WIDTH))
+        if total > 0 and self.splitter.sizes()[0] != want:
+            self.splitter.setSizes([want, max(0, total - handle - want)])
+
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802
+        self._keep_draft()
+        self.window_state.save(self, self.splitter, self.sidebar_width)
         self.controller.stop_all()
         if self._model_manager is not None:
             self._model_manager.close()

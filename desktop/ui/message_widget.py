@@ -1,8 +1,10 @@
-"""One message in the chat view: text, reasoning, actions, branch navigation, statistics."""
+"""One message in the chat view: text, reasoning, actions, branch navigation, statistics.
+
+Nothing in a message sets its width: names and status notes are one line cut with "…" (the
+whole text in the tooltip), a failure's reason and the statistics wrap, so every action stays
+reachable however narrow the chat column is."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from PySide6.QtCore import QRectF, Qt, Signal
 from PySide6.QtGui import QGuiApplication, QKeySequence, QPainter, QPalette, QPen, QShortcut
@@ -20,62 +22,26 @@ from PySide6.QtWidgets import (
 
 from desktop.reasoning import split_reasoning
 from desktop.store import PathItem
+from desktop.ui.elided_label import ElidedLabel
 from desktop.ui.markdown_render import MarkdownRenderer
 from desktop.ui.markdown_view import MarkdownView
+from desktop.ui.stats_line import format_stats, stats_tooltip  # noqa: F401 (format_stats re-exported)
 
 STATUS_NOTES = {
     "cancelled": "stopped",
     "interrupted": "interrupted (Arbor closed while this reply was written)",
     "error": "failed",
 }
+#: Reply states Continue can write on from (a reply that ended early, with text to go on from).
+CONTINUABLE = ("cancelled", "interrupted")
 
 
-#: The prefix cache's tiers a cached prompt can come from (tokens still in the live caches
-#: are not named: they never left).
-TIERS = ("device", "host", "disk")
-
-
-def format_stats(stats: dict[str, Any] | None) -> str:
-    """The per-reply statistics line, e.g.
-    ``0.21 s to first token · 38.5 tok/s · 57 tokens · prompt 120 (96 cached, 80 from disk)``."""
-    if not stats:
-        return ""
-    parts = []
-    if stats.get("generated_tokens"):
-        parts.append(f"{stats.get('ttft_s', 0.0):.2f} s to first token")
-        if stats.get("decode_tps"):
-            parts.append(f"{stats['decode_tps']:.1f} tok/s")
-        parts.append(f"{stats['generated_tokens']} tokens")
-    if stats.get("prompt_tokens") is not None:
-        cached = stats.get("cached_tokens") or 0
-        tiers = stats.get("cached_by_tier") or {}
-        sources = [f"{int(tiers[t])} from {t}" for t in TIERS if tiers.get(t)]
-        note = f" ({', '.join([f'{cached} cached'] + sources)})" if cached else ""
-        parts.append(f"prompt {stats['prompt_tokens']}{note}")
-    if stats.get("drafted_tokens"):
-        parts.extend(_drafting(stats))
-    if stats.get("finish_reason") == "length":
-        parts.append("hit max tokens")
-    return " · ".join(parts)
-
-
-_DRAFTERS = {"model": "the draft model", "lookup": "prompt lookup"}
-
-
-def _drafting(stats: dict[str, Any]) -> list[str]:
-    """What speculation did, e.g. ``drafted 40 by the draft model, accepted 30 (75%)``, ``mean
-    accepted length 2.50`` (accepted drafts per verify round), ``by position 90/75/60%`` (how
-    often the j-th draft of a round was accepted when a round reached it)."""
-    drafted, accepted = stats["drafted_tokens"], stats.get("accepted_tokens", 0)
-    drafter = stats.get("drafter") or ""
-    by = f" by {_DRAFTERS.get(drafter, drafter)}" if drafter else ""
-    parts = [f"drafted {drafted}{by}, accepted {accepted} ({100.0 * accepted / drafted:.0f}%)"]
-    if stats.get("mean_accepted") is not None:
-        parts.append(f"mean accepted length {stats['mean_accepted']:.2f}")
-    if stats.get("acceptance_by_position"):
-        rates = "/".join(f"{100.0 * rate:.0f}" for rate in stats["acceptance_by_position"])
-        parts.append(f"by position {rates}%")
-    return parts
+def can_continue(message) -> bool:
+    """A reply that stopped early: at its token limit, stopped by the user or by a closed app."""
+    if message.role != "assistant" or not message.content.strip():
+        return False
+    limited = message.status == "complete" and (message.stats or {}).get("finish_reason") == "length"
+    return limited or message.status in CONTINUABLE
 
 
 def _small_button(text: str, accessible: str, tooltip: str) -> QToolButton:
@@ -94,6 +60,7 @@ class MessageWidget(QFrame):
     copy_clicked = Signal(int)
     edit_submitted = Signal(int, str)  # message id, new text (sent as a new branch)
     regenerate_clicked = Signal(int)
+    continue_clicked = Signal(int)
     sibling_requested = Signal(int)  # id of the sibling to show
     code_copied = Signal(str)
 
@@ -114,18 +81,17 @@ class MessageWidget(QFrame):
 
         header = QHBoxLayout()
         header.setSpacing(4)
-        self.speaker = QLabel()
+        self.speaker = ElidedLabel()
         self.speaker.setObjectName("speaker")
         font = self.speaker.font()
         font.setBold(True)
         self.speaker.setFont(font)
-        self.note = QLabel()
+        self.note = ElidedLabel()
         self.note.setObjectName("statusNote")
         self.note.setForegroundRole(QPalette.ColorRole.PlaceholderText)
-        self.note.setMinimumWidth(1)  # a long note is cut (full text in the tooltip), never widens the chat
         header.addWidget(self.speaker)
         header.addWidget(self.note)
-        header.addStretch(1)
+        header.addStretch(1)  # the actions stay together at the right
         self.previous_button = _small_button("‹", "Previous version", "Show the previous version")
         self.branch_label = QLabel()
         self.branch_label.setAccessibleName("Version")
@@ -147,18 +113,43 @@ class MessageWidget(QFrame):
         self.editor: QPlainTextEdit | None = None  # created on the first edit
         self.editor_buttons: QWidget | None = None
 
+        # Why a reply failed or what it waits for, in full (the note above is one cut line).
+        self.detail = QLabel()
+        self.detail.setObjectName("detail")
+        self.detail.setWordWrap(True)
+        self.detail.setAccessibleName("Reply details")
+        self.detail.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.detail.hide()
+        outer.addWidget(self.detail)
+
+        # A reply that ended early: say so, and offer to write on.
+        footer = QHBoxLayout()
+        footer.setSpacing(6)
+        self.limit_label = QLabel("Reached the reply's token limit")
+        self.limit_label.setObjectName("limitNote")
+        self.limit_label.setWordWrap(True)
+        self.limit_label.setAccessibleName("Why the reply ended")
+        self.continue_button = _small_button("Continue", "Continue reply", "Write on from where this reply stopped")
+        footer.addWidget(self.limit_label, 1)
+        footer.addWidget(self.continue_button)
+        outer.addLayout(footer)
+
         self.stats_label = QLabel()
         self.stats_label.setObjectName("stats")
+        self.stats_label.setWordWrap(True)
         self.stats_label.setForegroundRole(QPalette.ColorRole.PlaceholderText)
         self.stats_label.setAccessibleName("Reply statistics")
         self.stats_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         outer.addWidget(self.stats_label)
+        self.last = False  # the last message shown (only it may be continued)
+        self.waiting = ""  # what a queued reply waits for ("" when it is not queued)
 
         self.previous_button.clicked.connect(lambda: self._step_sibling(-1))
         self.next_button.clicked.connect(lambda: self._step_sibling(+1))
         self.copy_button.clicked.connect(self._copy)
         self.edit_button.clicked.connect(self.begin_edit)
         self.regenerate_button.clicked.connect(lambda: self.regenerate_clicked.emit(self.item.message.id))
+        self.continue_button.clicked.connect(lambda: self.continue_clicked.emit(self.item.message.id))
         self.update_item(item, streaming=False, force=True)
 
     # -- state -----------------------------------------------------------------------------------
@@ -174,14 +165,21 @@ class MessageWidget(QFrame):
         message = item.message
         is_user = message.role == "user"
         self.speaker.setText("You" if is_user else (message.model or "Assistant"))
-        note = "writing…" if streaming else STATUS_NOTES.get(message.status, "")
-        if message.status == "error" and message.error:
-            note = f"failed: {message.error}"
+        detail = ""
+        if streaming and self.waiting:
+            note, detail = "queued", self.waiting
+        elif streaming:
+            note = "writing…"
+        else:
+            note = STATUS_NOTES.get(message.status, "")
+        if message.status == "error" and message.error and not streaming:
+            note, detail = f"failed: {message.error}", message.error
         if message.problems:  # parts of the stored message that could not be read, one line
             note = "; ".join(filter(None, (note, *message.problems)))
         self.note.setText(note)
-        self.note.setToolTip(note)
         self.note.setVisible(bool(note))
+        self.detail.setText(detail)
+        self.detail.setVisible(bool(detail))
         count, index = item.sibling_count, item.sibling_index
         for widget in (self.previous_button, self.branch_label, self.next_button):
             widget.setVisible(count > 1)
@@ -197,8 +195,32 @@ class MessageWidget(QFrame):
         if force or shown != self._shown:
             self._shown = shown
             self._show_text(message.content, is_user, streaming)
+        self._show_ending()
         self.stats_label.setText(format_stats(message.stats) if not is_user else "")
+        self.stats_label.setToolTip(stats_tooltip(message.stats) if not is_user else "")
         self.stats_label.setVisible(not is_user and bool(message.stats))
+
+    def set_last(self, last: bool) -> None:
+        """Whether this is the last message shown (a reply there may be continued)."""
+        if last != self.last:
+            self.last = last
+            self._show_ending()
+
+    def set_waiting(self, waiting: str) -> None:
+        """What this queued reply waits for ("" once it runs or ends)."""
+        if waiting != self.waiting:
+            self.waiting = waiting
+            self.update_item(self.item, streaming=self.streaming)
+
+    def detail_text(self) -> str:
+        return self.detail.text()
+
+    def _show_ending(self) -> None:
+        """The "token limit" note and Continue, for a reply that ended early."""
+        message = self.item.message
+        limited = (message.stats or {}).get("finish_reason") == "length" and message.status == "complete"
+        self.limit_label.setVisible(limited and not self.streaming)
+        self.continue_button.setVisible(self.last and not self.streaming and can_continue(message))
 
     def _show_text(self, content: str, is_user: bool, streaming: bool) -> None:
         reasoning, answer = ("", content) if is_user else split_reasoning(content)

@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (
     QAbstractItemView,
     QComboBox,
     QDialog,
+    QDialogButtonBox,
     QFileDialog,
     QGroupBox,
     QHBoxLayout,
@@ -132,6 +133,11 @@ class ModelManagerDialog(QDialog):
         self.status.setAccessibleName("Task status")
         self.status.setWordWrap(True)
         layout.addWidget(self.status)
+        self.buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
+        self.close_button = self.buttons.button(QDialogButtonBox.StandardButton.Close)
+        self.close_button.setAccessibleName("Close the model manager")
+        self.buttons.rejected.connect(self.close)  # a running task goes on; its result shows next time
+        layout.addWidget(self.buttons)
         self._set_running(False)
 
         self.use_button.clicked.connect(self._use)

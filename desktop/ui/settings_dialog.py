@@ -1,5 +1,9 @@
-"""The chat settings dialog: system prompt, sampling and speculative decoding for one chat, or
-the app defaults."""
+"""The chat settings dialog: system prompt, sampling, speculative decoding and the context
+overflow policy for one chat, or the app defaults.
+
+Speculative decoding offers only what the loaded model can do: "Draft model" needs a paired
+draft, "Multi-token prediction" a checkpoint that ships the head; the others are shown greyed
+with the reason beside them."""
 
 from __future__ import annotations
 
@@ -20,7 +24,13 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from desktop.chat_settings import LIMITS, SPECULATION_CHOICES, ChatSettings
+from desktop.chat_settings import CONTEXT_CHOICES, LIMITS, SPECULATION_CHOICES, ChatSettings
+
+#: Why a drafter is not offered, by choice (the loaded model's name fills in).
+UNAVAILABLE = {
+    "model": "{model} has no paired draft model: pair one in the model manager (Import with a Draft)",
+    "mtp": "{model} ships no multi-token-prediction head",
+}
 
 
 def _double(name: str, step: float, decimals: int = 2) -> QDoubleSpinBox:
@@ -46,7 +56,10 @@ class ChatSettingsDialog(QDialog):
     applied = Signal(object)
     defaults_saved = Signal(object)
 
-    def __init__(self, settings: ChatSettings, defaults: ChatSettings, *, title: str, parent: QWidget | None = None) -> None:
+    def __init__(self, settings: ChatSettings, defaults: ChatSettings, *, title: str,
+                 drafting: tuple[str, ...] | None = None, model_name: str = "The loaded model",
+                 parent: QWidget | None = None) -> None:
+        """``drafting``: the speculation choices the loaded model can do (None: all)."""
         super().__init__(parent)
         self.setWindowTitle(title)
         self.setObjectName("chatSettingsDialog")
@@ -87,8 +100,27 @@ class ChatSettingsDialog(QDialog):
         self.speculation.setAccessibleName("Speculative decoding")
         self.speculation.setToolTip("Drafting guesses tokens the model then checks: replies come "
                                     "faster and are exactly what the model would have written")
+        reasons = []
         for choice, label in SPECULATION_CHOICES.items():
             self.speculation.addItem(label, choice)
+            if drafting is not None and choice not in drafting:
+                why = UNAVAILABLE.get(choice, "not available").format(model=model_name)
+                item = self.speculation.model().item(self.speculation.count() - 1)
+                item.setEnabled(False)
+                item.setToolTip(why)
+                reasons.append(why)
+        self.drafting = drafting
+        self.speculation_note = QLabel("; ".join(reasons) + "." if reasons else "")
+        self.speculation_note.setWordWrap(True)
+        self.speculation_note.setAccessibleName("Why some drafting choices are off")
+        self.speculation_note.setVisible(bool(reasons))
+        self.context_overflow = QComboBox()
+        self.context_overflow.setAccessibleName("When the chat outgrows the context")
+        self.context_overflow.setToolTip(
+            "What the model sees once the chat is longer than its context. Dropping old turns in "
+            "large steps keeps what it sees the same for many turns, so replies stay fast.")
+        for choice, label in CONTEXT_CHOICES.items():
+            self.context_overflow.addItem(label, choice)
         form.addRow("Temperature", self.temperature)
         form.addRow("Top p", self.top_p)
         form.addRow("Top k", self.top_k)
@@ -97,6 +129,8 @@ class ChatSettingsDialog(QDialog):
         form.addRow("Max tokens", self.max_tokens)
         form.addRow("Seed", seed_row)
         form.addRow("Speculative decoding", self.speculation)
+        form.addRow("", self.speculation_note)
+        form.addRow("When the chat is too long", self.context_overflow)
         layout.addLayout(form)
 
         row = QHBoxLayout()
@@ -127,7 +161,11 @@ class ChatSettingsDialog(QDialog):
         self.fixed_seed.setChecked(settings.seed is not None)
         self.seed.setEnabled(settings.seed is not None)
         self.seed.setValue(settings.seed or 0)
-        self.speculation.setCurrentIndex(max(0, self.speculation.findData(settings.speculation)))
+        choice = settings.speculation
+        if self.drafting is not None and choice not in self.drafting:
+            choice = "auto"  # what replies use meanwhile (the same reply, see ChatController)
+        self.speculation.setCurrentIndex(max(0, self.speculation.findData(choice)))
+        self.context_overflow.setCurrentIndex(max(0, self.context_overflow.findData(settings.context_overflow)))
 
     def settings(self) -> ChatSettings:
         return ChatSettings(
@@ -140,6 +178,7 @@ class ChatSettingsDialog(QDialog):
             max_tokens=self.max_tokens.value(),
             seed=self.seed.value() if self.fixed_seed.isChecked() else None,
             speculation=self.speculation.currentData(),
+            context_overflow=self.context_overflow.currentData(),
         ).validated()
 
     def accept(self) -> None:

@@ -28,6 +28,8 @@ from PySide6.QtWidgets import (
 
 from desktop.store import HIT_END, HIT_START, SearchHit
 from desktop.ui.conversation_list_model import (
+    ACTIVITY_WORDS,
+    ActivityRole,
     ConversationIdRole,
     ConversationListModel,
     IsHeaderRole,
@@ -41,11 +43,12 @@ UNDO_SECONDS = 10
 
 
 class ConversationDelegate(QStyledItemDelegate):
-    """Draws group headers (small, muted) and conversations (title, pin mark, warm badge)."""
+    """Draws group headers (small, muted) and conversations (title, pin mark, warm badge, and
+    what the model does for it: writing, queued, warming up)."""
 
     def sizeHint(self, option: QStyleOptionViewItem, index: QModelIndex) -> QSize:  # noqa: N802
         height = option.fontMetrics.height()
-        return QSize(200, height + (14 if index.data(IsHeaderRole) else 12))
+        return QSize(1, height + (14 if index.data(IsHeaderRole) else 12))
 
     def paint(self, painter: QPainter, option: QStyleOptionViewItem, index: QModelIndex) -> None:
         painter.save()
@@ -82,6 +85,18 @@ class ConversationDelegate(QStyledItemDelegate):
             right -= diameter + 6
         if index.data(PinnedRole):
             right = _paint_pin(painter, right, rect.center().y(), palette.color(QPalette.ColorRole.PlaceholderText)) - 6
+        activity = index.data(ActivityRole)
+        if activity:
+            small = QFont(option.font)
+            small.setPointSizeF(max(small.pointSizeF() * 0.85, 7.0))
+            small.setItalic(True)
+            words = ACTIVITY_WORDS[activity]
+            width = QFontMetrics(small).horizontalAdvance(words)
+            painter.setFont(small)
+            painter.setPen(text_color if activity == "generating" else palette.color(QPalette.ColorRole.PlaceholderText))
+            painter.drawText(QRect(right - width, rect.top(), width, rect.height()),
+                             Qt.AlignmentFlag.AlignVCenter | Qt.AlignmentFlag.AlignRight, words)
+            right -= width + 6
         painter.setPen(text_color)
         painter.setFont(option.font)
         text_rect = QRect(rect.left() + 12, rect.top(), right - rect.left() - 14, rect.height())
@@ -96,7 +111,7 @@ class SearchHitDelegate(QStyledItemDelegate):
     def sizeHint(self, option: QStyleOptionViewItem, index: QModelIndex) -> QSize:  # noqa: N802
         hit: SearchHit = index.data(HitRole)
         lines = 1 if hit.message_id is None else 2
-        return QSize(200, option.fontMetrics.height() * lines + 12)
+        return QSize(1, option.fontMetrics.height() * lines + 12)
 
     def paint(self, painter: QPainter, option: QStyleOptionViewItem, index: QModelIndex) -> None:
         hit: SearchHit = index.data(HitRole)
@@ -209,12 +224,15 @@ class Sidebar(QFrame):
         self.list_view.selectionModel().currentChanged.connect(self._on_current_changed)
         self.list_view.installEventFilter(self)
         self.list_view.viewport().setBackgroundRole(QPalette.ColorRole.Window)
+        # Titles are cut to the sidebar's width (see the delegates): never a sideways scroll.
+        self.list_view.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.results_view = QListView()
         self.results_view.setAccessibleName("Search results")
         self.results_view.setModel(results)
         self.results_view.setItemDelegate(SearchHitDelegate(self.results_view))
         self.results_view.setFrameShape(QFrame.Shape.NoFrame)
         self.results_view.viewport().setBackgroundRole(QPalette.ColorRole.Window)
+        self.results_view.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         self.results_view.activated.connect(self._on_hit_activated)
         self.results_view.clicked.connect(self._on_hit_activated)
         self.no_results = QLabel("No matches")

@@ -10,49 +10,13 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QAbstractButton, QApplication, QInputDialog, QLineEdit, QPlainTextEdit, QWidget
 
-from desktop.app import create_app
 from desktop.chat_settings import ChatSettings
-from desktop.store import ChatStore
+from tests.desktop.app_parts import TEST_DEFAULTS, launch  # noqa: F401 (a fixture)
 from tests.desktop.conftest import stream_until
-
-# Seeded: the tiny random model may end a reply at once for some seeds; a fixed seed keeps every
-# test's replies the same on every run.
-TEST_DEFAULTS = ChatSettings(temperature=1.0, top_p=1.0, min_p=0.0, max_tokens=40, seed=7)
-
-
-@pytest.fixture
-def launch(qtbot, make_loader, tmp_path):
-    """``launch(allowance=None, db=None)``: the app on a store file, model loaded, window shown.
-    ``allowance=0`` holds every token at the engine's gate (``parts.engine``) until the test
-    lets it through (``stream_until``, ``parts.engine.open()``)."""
-    started = []
-
-    def start(allowance: int | None = None, db=None, defaults: ChatSettings | None = TEST_DEFAULTS, theme="light"):
-        store = ChatStore(db or tmp_path / "chats.sqlite3")
-        if defaults is not None:
-            store.set_default_settings(defaults)
-        loader = make_loader(allowance)
-        parts = create_app("tiny", loader=loader, store=store, theme=theme)
-        parts.loader = loader
-        started.append(parts)
-        parts.window.show()
-        qtbot.waitExposed(parts.window)
-        qtbot.waitUntil(lambda: parts.window.controller.model_info is not None, timeout=20000)
-        parts.engine = loader.engines[-1]
-        return parts
-
-    yield start
-    for parts in started:
-        if parts.store._db is not None:
-            parts.window.close()
-            assert parts.shutdown(5.0)
-        parts.theme.deleteLater()
-
 
 def send(qtbot, window, text: str) -> None:
     window.composer.input.setPlainText(text)

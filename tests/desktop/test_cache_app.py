@@ -72,7 +72,8 @@ def test_switching_back_restores_the_conversation_and_says_from_where(qtbot, mak
         assert again["cached_tokens"] >= first["prompt_tokens"]
         assert sum(again["cached_by_tier"].get(t, 0) for t in ("device", "host", "disk")) > 0
         line = stats_line(w)
-        assert f"({again['cached_tokens']} cached" in line and " from " in line
+        assert f"{again['cached_tokens']} of {again['prompt_tokens']} prompt tokens reused: " in line
+        assert " in memory" in line or " from " in line
         assert line == format_stats(again)
     finally:
         stop(parts)
@@ -100,6 +101,8 @@ def test_a_restart_keeps_conversations_warm_and_opening_a_chat_prefetches(qtbot,
         # credits the disk, where the prefetch read it (not the device it was restored from).
         assert again["cached_by_tier"].get("disk", 0) > 0, again["cached_by_tier"]
         assert again["cached_by_tier"].get("device", 0) == 0, again["cached_by_tier"]
+        assert sum(again["cached_by_tier"].values()) == again["cached_tokens"]
+        assert f"{again['cached_by_tier']['disk']} from disk" in stats_line(w)  # said so, too
     finally:
         stop(parts)
 

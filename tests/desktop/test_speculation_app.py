@@ -88,7 +88,7 @@ def test_the_chat_setting_decides_how_replies_are_drafted(qtbot, launch, model_s
     assert w.store.settings(w.current_id).speculation == "none"
     plain, line = reply_to(qtbot, w, "Hello there, how are you?")
     assert plain.content and plain.stats["drafter"] == "" and plain.stats["drafted_tokens"] == 0
-    assert "drafted" not in line and "mean accepted" not in line
+    assert "drafts" not in line
 
     w.new_chat()
     choose_speculation(qtbot, w, None)  # the dialog offers the app default: automatic
@@ -100,10 +100,11 @@ def test_the_chat_setting_decides_how_replies_are_drafted(qtbot, launch, model_s
     assert stats["accepted_tokens"] == stats["drafted_tokens"]  # its own weights: all accepted
     assert stats["acceptance_by_position"] and set(stats["acceptance_by_position"]) == {1.0}
     assert stats["mean_accepted"] > 1.0  # rounds of 4 drafts (fewer near the token budget)
-    assert (f"drafted {stats['drafted_tokens']} by the draft model, "
-            f"accepted {stats['accepted_tokens']} (100%)") in line
-    assert f"mean accepted length {stats['mean_accepted']:.2f}" in line
-    assert "by position 100/100/100/100%" in line
+    assert f"drafts: {stats['accepted_tokens']} of {stats['drafted_tokens']} accepted" in line
+    tip = w.chat_view.message_widgets()[-1].stats_label.toolTip()
+    assert (f"Drafting by the draft model: {stats['accepted_tokens']} of {stats['drafted_tokens']} "
+            f"drafts accepted (100%), {stats['mean_accepted']:.2f} per round") in tip
+    assert "by position 100/100/100/100%" in tip
 
     w.new_chat()
     choose_speculation(qtbot, w, "lookup")
@@ -170,21 +171,24 @@ def yes():
 def test_the_stats_line_and_stored_stats_of_drafting():
     from desktop.store.rows import clean_stats
     from desktop.ui.message_widget import format_stats
+    from desktop.ui.stats_line import stats_tooltip
 
     stats = {"generated_tokens": 20, "ttft_s": 0.5, "decode_tps": 40.0, "prompt_tokens": 9,
              "cached_tokens": 0, "drafter": "lookup", "drafted_tokens": 12,
              "accepted_tokens": 9, "acceptance_by_position": [0.9, 0.75, 0.5],
              "mean_accepted": 2.25}
     assert clean_stats(stats) == (stats, [])
-    assert format_stats(stats) == ("0.50 s to first token · 40.0 tok/s · 20 tokens · prompt 9 · "
-                                   "drafted 12 by prompt lookup, accepted 9 (75%) · "
-                                   "mean accepted length 2.25 · by position 90/75/50%")
+    assert format_stats(stats) == ("0.50 s to first token · 40.0 tok/s · 20 tokens · 9 prompt tokens · "
+                                   "drafts: 9 of 12 accepted")
+    assert ("Drafting by prompt lookup: 9 of 12 drafts accepted (75%), 2.25 per round; "
+            "by position 90/75/50%") in stats_tooltip(stats)
     # Stored values of the wrong kind are dropped (and the line is shown without them).
     for bad in ("most", [0.9, "x"], [float("nan")], {"1": 0.9}, [True]):
         kept, dropped = clean_stats({**stats, "acceptance_by_position": bad, "drafter": 3,
                                      "mean_accepted": "long"})
         assert sorted(dropped) == ["acceptance_by_position", "drafter", "mean_accepted"], bad
-        assert format_stats(kept).endswith("drafted 12, accepted 9 (75%)")
+        assert format_stats(kept).endswith("drafts: 9 of 12 accepted")
+        assert "Drafting: 9 of 12 drafts accepted (75%)" in stats_tooltip(kept)
 
 
 def test_the_speculation_setting_is_one_of_the_choices():

@@ -10,7 +10,9 @@ from desktop.store import Message, PathItem
 from desktop.titles import clean_title, heuristic_title
 from desktop.ui.markdown_render import MarkdownRenderer
 from desktop.ui.markdown_view import MarkdownView, split_blocks
+from desktop.ui.elided_label import ElidedLabel
 from desktop.ui.message_widget import MessageWidget, format_stats
+from desktop.ui.stats_line import stats_tooltip
 
 REPLY = """Here is code:
 
@@ -87,8 +89,8 @@ def test_reasoning_is_split_and_collapsed(qtbot):
     assert "answer" in widget.body.plain_text() and "weigh" not in widget.body.plain_text()
     qtbot.mouseClick(widget.reasoning_toggle, Qt.MouseButton.LeftButton)
     assert widget.reasoning_view.isVisible() and "weigh options" in widget.reasoning_view.plain_text()
-    assert widget.stats_label.text() == ("0.25 s to first token · 31.0 tok/s · 9 tokens · prompt 20 (12 cached)"
-                                         " · drafted 8, accepted 6 (75%)")
+    assert widget.stats_label.text() == ("0.25 s to first token · 31.0 tok/s · 9 tokens · 12 of 20 prompt "
+                                         "tokens reused: 12 from the cache · drafts: 6 of 8 accepted")
     qtbot.mouseClick(widget.copy_button, Qt.MouseButton.LeftButton)
     assert QGuiApplication.clipboard().text() == "The **answer**."
 
@@ -97,7 +99,60 @@ def test_stats_line_without_speculation_or_cache():
     assert format_stats(None) == ""
     line = format_stats({"generated_tokens": 3, "ttft_s": 1.0, "decode_tps": 0.0, "prompt_tokens": 5,
                          "cached_tokens": 0, "drafted_tokens": 0, "finish_reason": "length"})
-    assert line == "1.00 s to first token · 3 tokens · prompt 5 · hit max tokens"
+    assert line == "1.00 s to first token · 3 tokens · 5 prompt tokens"  # the limit is a label of its own
+
+
+STATS = {"generated_tokens": 57, "ttft_s": 1.2, "queue_s": 0.95, "decode_tps": 38.5, "prompt_tokens": 206,
+         "cached_tokens": 190, "cached_by_tier": {"live": 100, "device": 20, "host": 0, "disk": 70},
+         "prefill_tps": 320.0, "restore_s": 0.03, "drafter": "lookup", "drafted_tokens": 33,
+         "accepted_tokens": 23, "mean_accepted": 1.4, "acceptance_by_position": [0.9, 0.6],
+         "finish_reason": "length", "dropped_messages": 12}
+
+
+def test_stats_line_attributes_every_reused_token_and_says_the_wait_apart():
+    assert format_stats(STATS) == (
+        "1.20 s to first token (0.95 s waiting) · 38.5 tok/s · 57 tokens · 190 of 206 prompt tokens "
+        "reused: 120 in memory, 70 from disk · 12 older messages left out · drafts: 23 of 33 accepted")
+    tip = stats_tooltip(STATS)
+    assert "0.95 s waiting" in tip and "100 still loaded, 20 from device memory, 70 from disk" in tip
+    assert "16 read at 320 tok/s" in tip and "by prompt lookup" in tip and "by position 90/60%" in tip
+    assert "stopped at the reply's token limit" in tip
+    # Older stored stats without tiers: the reused tokens are still accounted for.
+    assert "12 of 20 prompt tokens reused: 12 from the cache" in format_stats(
+        {"prompt_tokens": 20, "cached_tokens": 12})
+    assert "reused: 5 from host memory, 7 from the cache" in format_stats(
+        {"prompt_tokens": 20, "cached_tokens": 12, "cached_by_tier": {"host": 5}})
+
+
+def test_a_reply_at_its_token_limit_says_so_and_offers_continue(qtbot):
+    message = Message(2, 1, 1, "assistant", "Once upon a time", "complete", 0.0, stats=STATS)
+    widget = MessageWidget(PathItem(message, (2,)), MarkdownRenderer())
+    qtbot.addWidget(widget)
+    widget.show()
+    assert widget.limit_label.isVisible() and not widget.continue_button.isVisible()  # not the last
+    widget.set_last(True)
+    assert widget.continue_button.isVisible()
+    assert "(0.95 s waiting)" in widget.stats_label.text() and "70 from disk" in widget.stats_label.toolTip()
+    with qtbot.waitSignal(widget.continue_clicked) as clicked:
+        qtbot.mouseClick(widget.continue_button, Qt.MouseButton.LeftButton)
+    assert clicked.args == [2]
+    done = Message(2, 1, 1, "assistant", "The end.", "complete", 0.0, stats={**STATS, "finish_reason": "stop"})
+    widget.update_item(PathItem(done, (2,)), streaming=False)
+    assert not widget.limit_label.isVisible() and not widget.continue_button.isVisible()
+    stopped = Message(2, 1, 1, "assistant", "Half a", "cancelled", 0.0)
+    widget.update_item(PathItem(stopped, (2,)), streaming=False)
+    assert widget.note.text() == "stopped" and widget.continue_button.isVisible()
+
+
+def test_an_elided_label_never_asks_for_its_whole_width_and_shows_it_in_the_tooltip(qtbot):
+    label = ElidedLabel("a very long model name that would widen the whole chat column " * 3)
+    qtbot.addWidget(label)
+    label.resize(120, 20)
+    label.show()
+    assert label.minimumSizeHint().width() < 120 < label.sizeHint().width()
+    assert label.elided and label.toolTip() == label.text()
+    label.setText("short")
+    assert not label.elided and label.toolTip() == ""
 
 
 def test_titles():

@@ -118,7 +118,7 @@ def test_queued_request_cancelled_before_it_runs_never_starts(qtbot, client):
     assert not c.busy
     assert rec.names(first)[0] == "started" and rec.names(first)[-1] == "cancelled"
     assert rec.names(second) == ["cancelled"]
-    assert rec.events[-1] == ("cancelled", second, None)
+    assert ("cancelled", second, None) in rec.events  # it left the queue without running
 
 
 def test_tokens_are_tagged_so_requests_never_mix(qtbot, client):
