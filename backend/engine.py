@@ -67,6 +67,11 @@ from backend.weights.loading import LoadedModel, load_model
 from backend.weights.quantize import describe_quantization
 
 PREFILL_CHUNK = 2048
+# Exact prefill: chunks the row-invariant kernels take whole (kernels.MAX_KERNEL_ROWS), so every
+# prompt row computes alike however the prompt is cut (a restored prefix, another request's
+# prefill that stored it, a batch): a reply from a cached prefix equals a cold start's, bit for
+# bit. It costs prefill speed (``arbor bench`` prints how much), so it is an option.
+EXACT_PREFILL_CHUNK = 16
 MAX_DRAFT = 8  # most draft tokens per verify round (verify blocks of up to 16 are exact)
 SPECULATION_CHOICES = ("auto", "model", "mtp", "lookup", "none")
 
@@ -164,10 +169,12 @@ class Engine:
     def load(cls, model: str | Path | None = None, dtype: str | None = None,
              cache: CacheConfig | None = None, prefill_chunk: int | None = None,
              draft: str | Path | None = None, speculation: str = "auto",
-             draft_depth: int | None = None, max_batch: int = 1) -> "Engine":
+             draft_depth: int | None = None, max_batch: int = 1,
+             exact_prefill: bool = False) -> "Engine":
         """Load a store name, an HF folder or a .gguf file (None: the default model), and
         optionally a draft model for speculative decoding (same kinds of reference; without
-        one, a stored model's paired draft unless ``speculation`` rules drafting models out)."""
+        one, a stored model's paired draft unless ``speculation`` rules drafting models out).
+        ``exact_prefill``: prefill in ``EXACT_PREFILL_CHUNK``-token chunks (cached == cold)."""
         from backend.weights.store import ModelStore
 
         store = ModelStore()
@@ -184,6 +191,8 @@ class Engine:
                 raise ModelLoadError(f"{Path(draft_folder).name} cannot draft for "
                                      f"{Path(folder).name}: {reason}")
             draft_loaded = load_model(draft_folder, dtype)
+        if exact_prefill:
+            prefill_chunk = EXACT_PREFILL_CHUNK
         return cls(loaded, tokenizer, Path(folder).name, cache, prefill_chunk, draft_loaded,
                    speculation, draft_depth, max_batch)
 

@@ -42,6 +42,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--exact-prefill", action="store_true",
+                   help="prefill in 16-token chunks through the row-invariant kernels, so a "
+                   "reply from a cached prefix equals a cold start's bit for bit (slower "
+                   "prefill: `arbor bench` prints the cost)")
 
 
 def _draft_args(p: argparse.ArgumentParser) -> None:
@@ -64,7 +68,7 @@ def _engine(args: argparse.Namespace, cache=None, max_batch: int = 1):
     speculation = "none" if args.no_draft else "lookup" if args.draft_lookup else "auto"
     return Engine.load(args.model, args.dtype, cache=cache, draft=args.draft,
                        speculation=speculation, draft_depth=args.draft_depth,
-                       max_batch=max_batch)
+                       max_batch=max_batch, exact_prefill=getattr(args, "exact_prefill", False))
 
 
 # Requests `arbor serve` runs together: up to 16 rows per batched step (the kernels' exact

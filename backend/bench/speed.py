@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten
 
 from backend import blas, kernels
 from backend.api import GenerateRequest
-from backend.engine import Engine
+from backend.engine import EXACT_PREFILL_CHUNK, Engine
 from backend.errors import MissingDependencyError
 from backend.memory.budgets import CacheConfig
 from backend.tokenizer import Tokenizer
@@ -38,6 +38,7 @@ from backend.weights.loading import load_model
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "generation_config.json", "special_tokens_map.json")
 FORMATS = ("float32", "bfloat16", "4bit")
+EXACT = "arbor-x"  # the exact-prefill row (Engine.load(exact_prefill=True))
 
 
 @dataclass
@@ -141,9 +142,10 @@ def best_prefill(run_once) -> float:
     return best
 
 
-def time_arbor(folder: Path, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:
+def time_arbor(folder: Path, prompt: list[int], new_tokens: int,
+               prefill_chunk: int | None = None) -> tuple[float, float, int]:
     engine = Engine(load_model(folder), Tokenizer.from_folder(folder), folder.name,
-                    cache=CacheConfig.memory_only())
+                    cache=CacheConfig.memory_only(), prefill_chunk=prefill_chunk)
 
     def generate(ids: list[int], tokens: int):
         engine.clear_cache()  # no prefix reuse between runs
@@ -188,6 +190,10 @@ def run(source: Path, work_dir: Path, formats: tuple[str, ...] = FORMATS, prompt
         folder = write_variant(source, work_dir / f"{source.name}-{fmt}", fmt)
         log(f"[{fmt}] arbor ...")
         rows.append(Row(fmt, "arbor", *time_arbor(folder, prompt, new_tokens)))
+        if fmt == formats[0]:  # what exact prefill (cached == cold) costs, on one format
+            log(f"[{fmt}] arbor, exact prefill ...")
+            rows.append(Row(fmt, EXACT, *time_arbor(folder, prompt, new_tokens,
+                                                    EXACT_PREFILL_CHUNK)))
         if against_mlx_lm:
             log(f"[{fmt}] mlx-lm ...")
             rows.append(Row(fmt, "mlx-lm", *time_mlx_lm(folder, prompt, new_tokens)))
@@ -198,16 +204,20 @@ def format_table(rows: list[Row], bandwidth_gbs: float) -> str:
     native = kernels.isa() or f"off ({kernels.unavailable_reason()})"
     lines = [f"BLAS: {blas.active_blas}   native CPU kernels: {native}   "
              f"device: {mx.default_device()}   memory read bandwidth: {bandwidth_gbs:.1f} GB/s",
-             f"{'weights':9} {'engine':7} {'prefill tok/s':>13} {'decode tok/s':>12} "
+             f"{'weights':9} {'engine':8} {'prefill tok/s':>13} {'decode tok/s':>12} "
              f"{'weights read':>12} {'ceiling':>8} {'of ceiling':>10}"]
     by_fmt: dict[str, dict[str, Row]] = {}
     for r in rows:
         ceiling = bandwidth_gbs * 1e9 / r.weight_bytes
-        lines.append(f"{r.fmt:9} {r.engine:7} {r.prefill_tps:13.1f} {r.decode_tps:12.1f} "
+        lines.append(f"{r.fmt:9} {r.engine:8} {r.prefill_tps:13.1f} {r.decode_tps:12.1f} "
                      f"{r.weight_bytes / 1e6:10.0f}MB {ceiling:8.1f} "
                      f"{100 * r.decode_tps / ceiling:9.0f}%")
         by_fmt.setdefault(r.fmt, {})[r.engine] = r
     for fmt, pair in by_fmt.items():
+        if "arbor" in pair and EXACT in pair:
+            cost = pair["arbor"].prefill_tps / pair[EXACT].prefill_tps - 1
+            lines.append(f"{fmt:9} exact prefill ({EXACT_PREFILL_CHUNK}-token chunks, cached == "
+                         f"cold) costs prefill {100 * cost:.0f}%")
         if "arbor" in pair and "mlx-lm" in pair:
             a, m = pair["arbor"], pair["mlx-lm"]
             lines.append(f"{fmt:9} ratio arbor/mlx-lm: prefill {a.prefill_tps / m.prefill_tps:.2f}x"
