@@ -56,8 +56,6 @@ from pathlib import Path
 from typing import Callable, Literal
 
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 
 from backend.memory.records import LayerRecords, SnapshotRecord
@@ -417,9 +415,9 @@ class DiskStore:
             log.warning("prefix cache: %s failed its checksum; recomputing", entry.node_id)
             return None
         try:
-            metas = json.loads(_safetensors_metadata(data)["layers"])
-            tensors = load_safetensors(data)
-        except (ValueError, KeyError, TypeError, struct.error, SafetensorError) as exc:
+            header, tensors = _safetensors_views(data)
+            metas = json.loads(header["layers"])
+        except (ValueError, KeyError, TypeError, struct.error) as exc:
             log.warning("prefix cache: %s unreadable (%s); recomputing", entry.node_id, exc)
             return None
         if len(metas) != layers:
@@ -606,8 +604,28 @@ def _try_lock(f) -> bool:
         return False
 
 
-def _safetensors_metadata(data: bytes) -> dict[str, str]:
+#: The safetensors dtypes the cache writes (numpy has no bfloat16: it travels as uint16 bits).
+_SAFETENSORS_DTYPES = {"F32": "<f4", "F16": "<f2", "F64": "<f8", "I32": "<i4", "I64": "<i8",
+                       "U16": "<u2", "I16": "<i2", "U8": "u1", "I8": "i1", "U32": "<u4"}
+
+
+def _safetensors_views(data: bytes) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    """A safetensors file's metadata and its tensors as read-only views into ``data`` (no
+    copies: a restore copies each once, into the MLX array it becomes). Every offset and size is
+    checked against the file, so a damaged file raises ``ValueError``."""
     (size,) = struct.unpack("<Q", data[:8])
     if size > len(data) - 8:
         raise ValueError("header longer than the file")
-    return json.loads(data[8:8 + size]).get("__metadata__", {})
+    header = json.loads(data[8:8 + size])
+    body = memoryview(data)[8 + size:]
+    tensors: dict[str, np.ndarray] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
+        shape = tuple(int(n) for n in info["shape"])
+        lo, hi = (int(n) for n in info["data_offsets"])
+        if not 0 <= lo <= hi <= len(body) or hi - lo != dtype.itemsize * int(np.prod(shape)):
+            raise ValueError(f"tensor {name} lies outside the file")
+        tensors[name] = np.frombuffer(body[lo:hi], dtype=dtype).reshape(shape)
+    return header.get("__metadata__", {}), tensors
