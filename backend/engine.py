@@ -354,9 +354,19 @@ class Engine:
             busy = self.scheduler.step()
             if busy:
                 self.prefix.enforce_budgets()
+                self._read_ahead_for_the_queue()
             else:
                 self.prefix.persist()
+                self.prefix.drop_reads_ahead()
             return busy
+
+    def _read_ahead_for_the_queue(self) -> None:
+        """Requests waiting for a place in the batch have their stored prefixes read from disk
+        meanwhile (``memory/read_ahead.py``): joining then costs no disk read."""
+        for sequence, _ in self.scheduler.waiting:
+            if not sequence.read_ahead:
+                sequence.read_ahead = True
+                self.prefix.read_ahead_for(sequence.prompt)
 
     def activity(self) -> tuple[int, int, int]:
         """(generating, of them still prefilling, waiting for a place in the batch)."""

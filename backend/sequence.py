@@ -56,6 +56,7 @@ class Sequence:
             len(prompt) + request.max_tokens, engine.context_length)
         self.held: list[int] = []  # the ids the lane's live caches hold, at every yield
         self.dropped_messages = 0  # old messages the context-overflow policy left out
+        self.read_ahead = False  # its stored prefix was read from disk while it waited
 
     def cancelled(self) -> bool:
         return self.cancel is not None and self.cancel.is_set()

@@ -164,3 +164,36 @@ def test_a_request_waits_while_its_caches_would_not_fit_beside_the_running_ones(
         assert stream.error is None
     assert most_running == room_for
     assert [events_reply(e) for e in events] == expected
+
+
+def test_a_queued_request_has_its_stored_prefix_read_from_disk_while_it_waits(
+        tiny_model_dir, tmp_path):
+    """A request waiting for a place in the batch gets the files of its stored prefix read on
+    the read-ahead thread while the running request decodes; its restore takes those reads, and
+    its reply is the same as without them."""
+    folder = str(tiny_model_dir("llama"))
+    stored = GenerateRequest(prompt_ids=list(range(10, 70)), max_tokens=3, ignore_eos=True)
+    resumed = GenerateRequest(prompt_ids=list(range(10, 70)) + [5, 6, 7], max_tokens=5,
+                              ignore_eos=True, logprobs=True)
+    running = GenerateRequest(prompt_ids=[3, 4, 5], max_tokens=12, ignore_eos=True)
+    on_disk = CacheConfig(CacheBudgets(0, 0, 64 << 20), tmp_path / "cache", capture_interval=16)
+    first = Engine.load(folder, cache=on_disk, prefill_chunk=EXACT_CHUNK)
+    list(first.generate(stored))
+    first.close()
+
+    engine = Engine.load(folder, cache=on_disk, prefill_chunk=EXACT_CHUNK, max_batch=1)
+    busy, queued = engine.submit(running), engine.submit(resumed)
+    engine.step()  # the first request runs, the second waits ...
+    assert queued.waiting and engine.prefix.read_ahead.started > 0  # ... its files being read
+    replies: list = []
+    while engine.step():
+        busy.events.clear()
+        while queued.events:
+            replies.append(queued.events.popleft())
+    replies += queued.events
+    assert engine.prefix.read_ahead.taken > 0
+    done = [e for e in replies if isinstance(e, DoneEvent)][0]
+    assert done.cached_by_tier["disk"] > 0
+
+    cold = Engine.load(folder, cache=on_disk, prefill_chunk=EXACT_CHUNK)
+    assert events_reply(replies) == events_reply(list(cold.generate(resumed)))

@@ -66,6 +66,7 @@ from typing import Callable, Sequence
 from backend.api import CacheStats
 from backend.memory.budgets import CacheBudgets
 from backend.memory.disk import DiskStore
+from backend.memory.read_ahead import NOT_READ, ReadAhead
 from backend.memory.records import LayerRecords
 from backend.memory.tiers import TIERS, NodeData, TierLedger, close_all
 from backend.memory.trie import PrefixTrie, TokenIds, TrieNode, as_ids, common_prefix_length
@@ -162,6 +163,7 @@ class PrefixCache:
         self.pre_end = pre_end
         self.trie = PrefixTrie()
         self.tiers = TierLedger(disk)
+        self.read_ahead = ReadAhead(disk, len(self.caches)) if disk is not None else None
         self._unpersisted: list[TrieNode] = []
         self._guarding = False  # inside a public operation's fault boundary
         self._faults_logged: set[str] = set()
@@ -630,6 +632,10 @@ class PrefixCache:
             return [None if s is None else self.caches[j].export_snapshot(s)
                     for j, s in enumerate(data.device)]
         if data.on_disk and self.disk is not None:
+            if self.read_ahead is not None:
+                records = self.read_ahead.take(data.id, data.disk)
+                if records is not NOT_READ:
+                    return records
             return self.disk.read(data.disk, len(self.caches))
         return None
 
@@ -819,6 +825,28 @@ class PrefixCache:
         self._enforce_budgets()
         return ready
 
+    def read_ahead_for(self, prompt: TokenIds) -> int:
+        """Start reading, on the read-ahead thread, the files a restore of ``prompt`` would
+        read (the nodes of its stored path that only the disk holds), so that a request waiting
+        in the queue finds them read when it begins; how many reads started."""
+        return self._read_ahead_for(as_ids(prompt))
+
+    @_fault_boundary(lambda self, prompt: 0)
+    def _read_ahead_for(self, prompt: array) -> int:
+        if self.read_ahead is None or self.disk is None:
+            return 0
+        started = 0
+        for node in self.trie.match(prompt).path:
+            data = node.data
+            if data.on_disk and not (data.on_device or data.on_host):
+                started += self.read_ahead.start(data.id, data.disk)
+        return started
+
+    def drop_reads_ahead(self) -> None:
+        """Reads ahead that no request took (the engine calls this when idle)."""
+        if self.read_ahead is not None:
+            self.read_ahead.discard()
+
     def set_budgets(self, budgets: CacheBudgets) -> None:
         """New budgets, enforced at once (running requests keep their pinned paths)."""
         self.budgets = budgets
@@ -849,6 +877,8 @@ class PrefixCache:
             self._forget_subtree(node)
         if self.disk is not None:
             self.disk.clear()
+        if self.read_ahead is not None:
+            self.read_ahead.discard()
         self._unpersisted.clear()
 
     def close(self) -> None:
@@ -862,6 +892,9 @@ class PrefixCache:
         try:
             self._forget_disk_copies()
         finally:
+            if self.read_ahead is not None:
+                self.read_ahead.close()
+                self.read_ahead = None
             self.disk.close()
             self.disk = self.tiers.disk = None
 
