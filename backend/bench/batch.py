@@ -19,8 +19,6 @@ Timings belong here, never in tests.
 
 from __future__ import annotations
 
-import http.client
-import json
 import random
 import statistics
 import threading
@@ -29,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from backend.bench.cache import Server, WORDS, arbor_server, mlx_lm_server
+from backend.bench.cache import (Server, WORDS, arbor_server, chunk_text, mlx_lm_server,
+                                 stream_chunks)
 
 CLIENTS = (1, 2, 4, 8, 16)
 
@@ -79,29 +78,12 @@ def stream_tokens(port: int, model: str, content: str, max_tokens: int,
     body = {"model": model, "messages": [{"role": "user", "content": content}],
             "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "ignore_eos": True}  # Arbor's extension; mlx-lm ignores it (a reply may end early)
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
     stream = Stream(time.perf_counter(), [])
-    try:
-        conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
-                     headers={"Content-Type": "application/json"})
-        response = conn.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
-        for raw in response:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                break
-            chunk = json.loads(data)
-            for choice in chunk.get("choices") or []:
-                if (choice.get("delta") or {}).get("content"):
-                    stream.arrivals.append(time.perf_counter())
-                    if on_token is not None:
-                        on_token()
-    finally:
-        conn.close()
+    for chunk in stream_chunks(port, body, timeout=3600):
+        if chunk_text(chunk):
+            stream.arrivals.append(time.perf_counter())
+            if on_token is not None:
+                on_token()
     return stream
 
 

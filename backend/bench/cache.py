@@ -34,7 +34,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from backend.memory.trie import common_prefix_length
 from backend.tokenizer import Tokenizer
@@ -169,14 +169,9 @@ def request(port: int, method: str, path: str, body: dict | None = None) -> tupl
         conn.close()
 
 
-def stream_chat(port: int, model: str, messages: list[dict],
-                max_tokens: int) -> tuple[float, str, dict]:
-    """(time to first content, reply text, usage) of one streamed chat completion."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    start = time.perf_counter()
-    ttft, pieces, usage = None, [], {}
+def stream_chunks(port: int, body: dict, timeout: float) -> Iterator[dict]:
+    """The parsed ``data:`` chunks of one streamed chat completion (``body`` is its request)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
         conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
                      headers={"Content-Type": "application/json"})
@@ -190,17 +185,32 @@ def stream_chat(port: int, model: str, messages: list[dict],
             data = line[5:].strip()
             if data == b"[DONE]":
                 break
-            chunk = json.loads(data)
-            for choice in chunk.get("choices") or []:
-                text = (choice.get("delta") or {}).get("content")
-                if text:
-                    if ttft is None:
-                        ttft = time.perf_counter() - start
-                    pieces.append(text)
-            if chunk.get("usage"):
-                usage = chunk["usage"]
+            yield json.loads(data)
     finally:
         conn.close()
+
+
+def chunk_text(chunk: dict) -> str:
+    """The content a streamed chunk adds ("" for role, usage and empty chunks)."""
+    return "".join((choice.get("delta") or {}).get("content") or ""
+                   for choice in chunk.get("choices") or [])
+
+
+def stream_chat(port: int, model: str, messages: list[dict],
+                max_tokens: int) -> tuple[float, str, dict]:
+    """(time to first content, reply text, usage) of one streamed chat completion."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    ttft, pieces, usage = None, [], {}
+    for chunk in stream_chunks(port, body, timeout=600):
+        text = chunk_text(chunk)
+        if text:
+            if ttft is None:
+                ttft = time.perf_counter() - start
+            pieces.append(text)
+        if chunk.get("usage"):
+            usage = chunk["usage"]
     return (ttft if ttft is not None else time.perf_counter() - start), "".join(pieces), usage
 
 
