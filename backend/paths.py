@@ -41,3 +41,8 @@ def cache_dir() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("arbor"))
+
+
+def profiles_dir() -> Path:
+    """Measured round costs per model, dtype and machine (``backend.speculation.profile``)."""
+    return cache_dir() / "speculation"

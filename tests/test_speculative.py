@@ -132,13 +132,14 @@ class ScriptedDepths(DepthController):
         self.script = script
         self.told: list[tuple[int, bool, bool]] = []
 
-    def choose(self, limit: int) -> int:
+    def choose(self, limit: int, rounds=None) -> int:
         self.rounds += 1
         return min(self.script[(self.rounds - 1) % len(self.script)], limit)
 
-    def record(self, depth, accepted, seconds, after_plain_step=False, after_round=False):
+    def record(self, depth, accepted, seconds, after_plain_step=False, after_round=False,
+               rounds=None):
         self.told.append((depth, after_plain_step, after_round))
-        super().record(depth, accepted, seconds, after_plain_step, after_round)
+        super().record(depth, accepted, seconds, after_plain_step, after_round, rounds)
 
 
 @pytest.mark.parametrize("kind", KINDS)
