@@ -31,6 +31,12 @@ from backend.speculation.depth import AFTER_HIT, AFTER_MISS, DepthController, Ro
 from tests.test_speculative import reply
 
 
+@pytest.fixture(autouse=True)
+def _own_profiles(tmp_path, monkeypatch):
+    """Each test here starts with no stored profile (the session shares one elsewhere)."""
+    monkeypatch.setenv("ARBOR_PROFILES_DIR", str(tmp_path / "profiles"))
+
+
 def lookup_engine(folder, **kwargs) -> Engine:
     return Engine.load(str(folder), cache=CacheConfig.memory_only(), speculation="lookup",
                        **kwargs)
