@@ -215,3 +215,43 @@ def test_a_concurrent_batch_of_drafting_replies_equals_their_solo_replies(tiny_m
         assert [e.logprob for e in seen[:-1] if e.token_id >= 0] == logprobs
         drafted += done.drafted_tokens
     assert drafted > 0
+
+
+class Told(DepthController):
+    """A fixed depth; keeps the seconds each round was priced at."""
+
+    def __init__(self) -> None:
+        super().__init__(fixed=2)
+        self.seconds: list[float | None] = []
+
+    def record(self, depth, accepted, seconds, after_plain_step=False, after_round=False,
+               rounds=None):
+        self.seconds.append(seconds)
+        super().record(depth, accepted, seconds, after_plain_step, after_round, rounds)
+
+
+@pytest.mark.parametrize("share", [1.0, 0.25, None])
+def test_a_round_is_priced_at_its_share_of_the_batched_step(share, tiny_model_dir):
+    from backend.api import SamplingParams
+    from backend.decoding import Decoding, Emitted, speculative_tokens
+    from backend.sampling import Sampler
+
+    engine = lookup_engine(tiny_model_dir("llama"))
+    caches = engine.model.make_caches()
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    _, logits = engine.scheduler.answer([Feed(mx.array(prompt), caches, "last")])[0]
+    d = Decoding(engine.model, caches, Sampler(SamplingParams()), prompt, list(prompt),
+                 budget=10, eos=frozenset())
+    ticks = iter(range(1000))
+    controller = Told()
+    tokens = speculative_tokens(d, logits[-1], _one_gram_lookup(), controller,
+                                clock=lambda: float(next(ticks)))
+    answer = None
+    for item in iter(lambda: tokens.send(answer), None):
+        if isinstance(item, Emitted):
+            answer = None
+            continue
+        item.share = share  # as the scheduler says when several sequences share the step
+        answer = engine.scheduler.answer([item])[0]
+    assert controller.seconds  # every round lasted 1 tick of the fake clock
+    assert all(s == (None if share is None else share) for s in controller.seconds)
