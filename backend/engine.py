@@ -385,12 +385,19 @@ class Engine:
             costs = {depth: seconds + depth * step for depth, seconds in costs.items()}
         return costs
 
+    def _hash_memo(self) -> Path:
+        """Where weight digests are remembered: the disk tier's memo when there is one (its
+        fingerprint hashed the same files already), else beside the profiles."""
+        directory = self.cache_config.directory
+        return Path(directory if directory is not None else self.profiles.directory) \
+            / "hashes.json"
+
     def _profiled(self, loaded: LoadedModel, answer, max_depth: int) -> dict[int, float]:
         dtype = str(loaded.dtype).replace("mlx.core.", "")
         name = f"{Path(loaded.folder).name}-{dtype}-{'kernels' if loaded.cpu_kernels else 'mlx'}"
         return profiled_costs(
             self.profiles, name,
-            lambda: _fingerprint(loaded, self.profiles.directory / "hashes.json"),
+            lambda: _fingerprint(loaded, self._hash_memo()),
             lambda: measure_round_costs(answer, loaded.model.make_caches,
                                         int(loaded.model.args.vocab_size), max_depth))
 
