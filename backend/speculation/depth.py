@@ -7,7 +7,8 @@ controller picks ``argmax E(N) / cost(N)`` over ``0 .. limit``, so it falls back
 (depth 0) when drafting does not pay, and speculation never stays slower for long.
 
 Both are running estimates: ``a_j`` an exponentially weighted mean of the outcomes at position j
-(updated only where a round reached j), kept apart by context, whether the previous round kept
+(updated only where a round reached j; its first outcomes averaged with the prior, so a few
+misses already count), kept apart by context, whether the previous round kept
 any of its drafts: acceptance comes in runs (a passage being copied, a formulaic stretch; a
 copying run misses now and then, late in a round, while a free stretch misses at once), so
 after a round that kept drafts drafting deep pays, after one that kept none or a plain step
@@ -41,7 +42,12 @@ FASTER_EWMA = 0.5
 # plain step), and near break-even, flipping back and forth on noise loses more than it wins.
 SWITCH_MARGIN = 0.1
 PRIOR_ACCEPTANCE = 0.7  # before any evidence at a position
-TRUST_AFTER = 8  # outcomes before a position's own estimate is trusted
+# The prior counts as this many outcomes: a position's first outcomes move its estimate as their
+# mean with the prior would (weight 1 / (n + PRIOR_WEIGHT)), later ones by ACCEPT_EWMA. With the
+# costs known before the first round (``seed``), a fresh reply where nothing is copied then
+# stops drafting after a few misses instead of a dozen at the prior.
+PRIOR_WEIGHT = 4
+TRUST_AFTER = 2  # outcomes before a position's own estimate is trusted
 # Contexts of the acceptance estimates: what the previous round did.
 AFTER_MISS = 0  # the first draft was rejected, or the round was a plain step
 AFTER_HIT = 1  # at least one draft was accepted
@@ -188,7 +194,8 @@ class DepthController:
         for j in range(min(depth, accepted + 1)):  # positions the round reached
             outcome = 1.0 if j < accepted else 0.0
             reached[j] += 1
-            acceptance[j] += ACCEPT_EWMA * (outcome - acceptance[j])
+            weight = max(ACCEPT_EWMA, 1.0 / (reached[j] + PRIOR_WEIGHT))
+            acceptance[j] += weight * (outcome - acceptance[j])
         rounds.context = AFTER_HIT if depth and accepted else AFTER_MISS
 
     def _price(self, depth: int, seconds: float, after_plain_step: bool) -> None:
