@@ -1,6 +1,7 @@
 """The depth controller on synthetic rounds: it drafts the depth that commits the most tokens per
 second, falls back to plain decoding when drafting does not pay, is not flipped by one stall,
-believes a faster round soon, and prices depths as back-to-back drafting rounds cost."""
+believes a faster round soon, prices depths as back-to-back drafting rounds cost, and, seeded
+with known costs, stops drafting after a few misses."""
 
 from __future__ import annotations
 
