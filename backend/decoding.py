@@ -36,7 +36,7 @@ from backend.caches.base import Cache
 from backend.feeds import Answer, Feed, forward
 from backend.sampling import Sampler
 from backend.speculation.acceptance import judge
-from backend.speculation.depth import DepthController
+from backend.speculation.depth import DepthController, Rounds
 from backend.speculation.drafters import Drafter
 from backend.speculation.rollback import SpeculativeWrite
 
@@ -96,16 +96,22 @@ class Decoding:
     # Told of every forward (``Drafter.observe``: start position, ids, hidden states), so a
     # drafter that drafts from the target's hidden states gets them (speculation/mtp.py).
     observe: Callable[[int, mx.array, mx.array], None] | None = None
+    # The latest forward's part of its batched step (``Feed.share``): a round is priced at
+    # that part of its time.
+    share: float | None = 1.0
 
     def step(self, tokens: mx.array) -> Generator[Feed, Answer, mx.array]:
         """Lazy logits (vocab,) after feeding ``tokens`` (``yield from``: the scheduler runs
         the forward)."""
-        _, logits = yield from forward(Feed(tokens, self.caches, "last"), self.observe)
-        return logits[-1]
+        return (yield from self._forward(Feed(tokens, self.caches, "last")))[-1]
 
     def block(self, tokens: mx.array) -> Generator[Feed, Answer, mx.array]:
         """Lazy logits (N, vocab) of every position of ``tokens`` (a verify block)."""
-        _, logits = yield from forward(Feed(tokens, self.caches, "all"), self.observe)
+        return (yield from self._forward(Feed(tokens, self.caches, "all")))
+
+    def _forward(self, feed: Feed) -> Generator[Feed, Answer, mx.array]:
+        _, logits = yield from forward(feed, self.observe)
+        self.share = feed.share
         return logits
 
     def history(self, drafts: mx.array | None = None) -> mx.array | None:
@@ -156,6 +162,7 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
                        controller: DepthController,
                        clock: Callable[[], float] = time.perf_counter) -> Tokens:
     d.stats.drafter = drafter.kind
+    rounds = Rounds()  # this reply's own context; the controller may serve a whole batch
     token, logprob = d.sample(logits)
     # ``fed``: the target already holds ``token`` (the step feeding it is queued as ``ahead``,
     # whose row judges the first draft). After a verify round the next token is known but not
@@ -173,8 +180,11 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
         now = clock()
         if in_flight is not None:
             depth, accepted, catch_up_s, after_plain_step, after_round = in_flight
-            controller.record(depth, accepted, now - t_round - catch_up_s, after_plain_step,
-                              after_round)
+            # In a batch the step's time is shared by every sequence's rows: this round's
+            # part is its rows' share (priced at all only when no prefill shared the step).
+            seconds = None if d.share is None else (now - t_round - catch_up_s) * d.share
+            controller.record(depth, accepted, seconds, after_plain_step, after_round,
+                              rounds)
         t_round = now
         if fed:
             d.held.append(token_id)
@@ -184,7 +194,7 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
         if remaining <= 0:
             return
         context = d.held if fed else d.held + [token_id]
-        depth = controller.choose(remaining - 1)  # leave room for the bonus token
+        depth = controller.choose(remaining - 1, rounds)  # leave room for the bonus token
         draft = drafter.propose(context, depth, d.sampler, d.history) if depth else None
         if draft is None:  # a plain step, pipelined again from here
             after_round = not fed

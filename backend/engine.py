@@ -61,10 +61,12 @@ from backend.sequence import Sequence
 from backend.speculation.depth import DepthController
 from backend.speculation.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from backend.speculation.mtp import mtp_drafter
+from backend.speculation.profile import ProfileStore, measure_round_costs, profiled_costs
 from backend.tokenizer import Tokenizer
 from backend.weights.files import weight_files
 from backend.weights.loading import LoadedModel, load_model
 from backend.weights.quantize import describe_quantization
+from backend.paths import profiles_dir
 
 PREFILL_CHUNK = 2048
 # Exact prefill: chunks the row-invariant kernels take whole (kernels.MAX_KERNEL_ROWS), so every
@@ -104,7 +106,8 @@ class Engine:
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, name: str,
                  cache: CacheConfig | None = None, prefill_chunk: int | None = None,
                  draft: LoadedModel | None = None, speculation: str = "auto",
-                 draft_depth: int | None = None, max_batch: int = 1) -> None:
+                 draft_depth: int | None = None, max_batch: int = 1,
+                 cost_profiles: bool = True) -> None:
         """``draft``: a draft model with this tokenizer's vocabulary (``load`` checks it);
         ``speculation``: the drafter requests get by default ("auto": the draft model if there
         is one, else the checkpoint's multi-token-prediction head if it ships one, else prompt
@@ -112,7 +115,9 @@ class Engine:
         kept only under "auto" and "mtp");
         ``draft_depth``: draft exactly this many tokens per round (None: the depth controller
         chooses, 0 .. MAX_DRAFT); ``max_batch``: most requests generating at once (the others
-        wait their turn)."""
+        wait their turn); ``cost_profiles``: seed the depth controller with round costs
+        measured before the first round and stored per model, dtype and machine
+        (``speculation/profile.py``; False: it learns them within the replies)."""
         if speculation not in SPECULATION_CHOICES:
             raise InvalidRequestError(f"speculation must be one of {SPECULATION_CHOICES}")
         self.loaded = loaded
@@ -135,6 +140,7 @@ class Engine:
         self.prefix = self._prefix_cache(self.cache_config)
         self._controllers: dict[str, DepthController] = {}
         self.draft_depth = draft_depth
+        self.profiles = ProfileStore(profiles_dir()) if cost_profiles else None
         self.lanes = [Lane(self.target_caches, first, self.prefix.slots[0])]
         self.bytes_per_token = self._bytes_per_token()
         self.scheduler = Scheduler(self.lanes, self._new_lane, max_batch, self.model.hidden,
@@ -170,7 +176,7 @@ class Engine:
              cache: CacheConfig | None = None, prefill_chunk: int | None = None,
              draft: str | Path | None = None, speculation: str = "auto",
              draft_depth: int | None = None, max_batch: int = 1,
-             exact_prefill: bool = False) -> "Engine":
+             exact_prefill: bool = False, cost_profiles: bool = True) -> "Engine":
         """Load a store name, an HF folder or a .gguf file (None: the default model), and
         optionally a draft model for speculative decoding (same kinds of reference; without
         one, a stored model's paired draft unless ``speculation`` rules drafting models out).
@@ -194,7 +200,7 @@ class Engine:
         if exact_prefill:
             prefill_chunk = EXACT_PREFILL_CHUNK
         return cls(loaded, tokenizer, Path(folder).name, cache, prefill_chunk, draft_loaded,
-                   speculation, draft_depth, max_batch)
+                   speculation, draft_depth, max_batch, cost_profiles)
 
     def _prefix_cache(self, config: CacheConfig) -> PrefixCache:
         disk = None
@@ -431,8 +437,55 @@ class Engine:
         return PromptLookupDrafter()
 
     def depth(self, kind: str) -> DepthController:
-        """One controller per drafter kind, kept across requests (costs and acceptance)."""
+        """One controller per drafter kind, kept across requests (costs and acceptance),
+        knowing the round costs from the first round on where they can be measured."""
         if kind not in self._controllers:
-            self._controllers[kind] = DepthController(max_depth=MAX_DRAFT,
-                                                      fixed=self.draft_depth)
+            controller = DepthController(max_depth=MAX_DRAFT, fixed=self.draft_depth)
+            costs = self.round_costs(kind) if self.draft_depth is None else None
+            if costs:
+                controller.seed(costs)
+            self._controllers[kind] = controller
         return self._controllers[kind]
+
+    def round_costs(self, kind: str) -> dict[int, float] | None:
+        """Seconds per round by depth for drafter ``kind`` before any round ran: the target's
+        (``speculation/profile.py``, stored per model, dtype and machine), plus, for a draft
+        model, a draft step per draft; None for drafters whose drafting is not measured
+        beforehand (they learn it within the replies) or with ``cost_profiles`` off."""
+        if self.profiles is None or kind not in ("lookup", "model"):
+            return None
+        costs = self._profiled(self.loaded, self.scheduler.answer, MAX_DRAFT)
+        if kind == "model":
+            draft = self.draft
+            answer = _model_answer(draft.model)
+            step = self._profiled(draft, answer, 0)[0]
+            costs = {depth: seconds + depth * step for depth, seconds in costs.items()}
+        return costs
+
+    def _hash_memo(self) -> Path:
+        """Where weight digests are remembered: the disk tier's memo when there is one (its
+        fingerprint hashed the same files already), else beside the profiles."""
+        directory = self.cache_config.directory
+        return Path(directory if directory is not None else self.profiles.directory) \
+            / "hashes.json"
+
+    def _profiled(self, loaded: LoadedModel, answer, max_depth: int) -> dict[int, float]:
+        dtype = str(loaded.dtype).replace("mlx.core.", "")
+        name = f"{Path(loaded.folder).name}-{dtype}-{'kernels' if loaded.cpu_kernels else 'mlx'}"
+        return profiled_costs(
+            self.profiles, name,
+            lambda: _fingerprint(loaded, self._hash_memo()),
+            lambda: measure_round_costs(answer, loaded.model.make_caches,
+                                        int(loaded.model.args.vocab_size), max_depth))
+
+
+def _model_answer(model):
+    """Feeds answered by running ``model`` alone (a draft model's steps, for its profile)."""
+    def answer(feeds):
+        answers = []
+        for feed in feeds:
+            hidden = model.hidden(feed.tokens[None], feed.caches)
+            rows = {"none": None, "last": hidden[:, -1:, :], "all": hidden}[feed.logits]
+            answers.append((hidden, None if rows is None else model.logits(rows)[0]))
+        return answers
+    return answer

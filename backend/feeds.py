@@ -20,11 +20,15 @@ LOGIT_ROWS = ("none", "last", "all")
 @dataclass
 class Feed:
     """``tokens`` (n,) int ids (possibly lazy) into ``caches`` (the sequence's target caches,
-    one per layer); ``logits``: "none", "last" (one row) or "all" (n rows)."""
+    one per layer); ``logits``: "none", "last" (one row) or "all" (n rows). ``share``: set
+    by the scheduler as it answers: this feed's part of the step's rows (1.0 alone), or None
+    when the step also ran another sequence's prefill chunk (the step's time then says nothing
+    of what decoding rows cost)."""
 
     tokens: mx.array
     caches: list
     logits: str = "last"
+    share: float | None = 1.0
 
     def __post_init__(self) -> None:
         if self.logits not in LOGIT_ROWS:

@@ -41,3 +41,14 @@ def cache_dir() -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir("arbor"))
+
+
+ENV_PROFILES = "ARBOR_PROFILES_DIR"
+
+
+def profiles_dir() -> Path:
+    """Measured round costs per model, dtype and machine (``backend.speculation.profile``):
+    ``$ARBOR_PROFILES_DIR``, else ``cache_dir() / "speculation"``."""
+    if os.environ.get(ENV_PROFILES):
+        return Path(os.environ[ENV_PROFILES]).expanduser()
+    return cache_dir() / "speculation"

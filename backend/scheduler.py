@@ -129,8 +129,9 @@ class Scheduler:
         for run in list(self.running):
             self._advance(run)
         feeds = [run for run in self.running if run.feed is not None]
+        self._share([run.feed for run in feeds])
         for group in self._groups(feeds):
-            for run, answer in zip(group, self._answer([r.feed for r in group])):
+            for run, answer in zip(group, self.answer([r.feed for r in group])):
                 run.answer, run.feed = answer, None
         self.steps += 1
         return self.busy
@@ -180,6 +181,15 @@ class Scheduler:
         for run in list(self.running):
             self.stop(run.stream)
 
+    @staticmethod
+    def _share(feeds: list[Feed]) -> None:
+        """Tell each feed its part of the step (the depth controller prices a round at that
+        part of its time): its rows over all rows, or None beside another's prefill chunk."""
+        total = sum(f.rows for f in feeds)
+        prefilling = len(feeds) > 1 and any(f.rows > MAX_GROUP_ROWS for f in feeds)
+        for feed in feeds:
+            feed.share = None if prefilling else feed.rows / total
+
     def _groups(self, runs: list[_Running]) -> list[list[_Running]]:
         """Feeds packed in arrival order into groups of at most MAX_GROUP_ROWS rows; a bigger
         feed is a group of its own."""
@@ -200,7 +210,7 @@ class Scheduler:
             groups.append(current)
         return groups
 
-    def _answer(self, feeds: list[Feed]) -> list[Answer]:
+    def answer(self, feeds: list[Feed]) -> list[Answer]:
         """One forward over the feeds' rows; each gets its hidden states and the logits rows it
         asked for (lazy)."""
         if len(feeds) == 1:

@@ -305,6 +305,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         }))
     else:
         print()
+        drafting = (f"; {done.drafter} drafted {done.drafted_tokens}, accepted "
+                    f"{done.accepted_tokens}" if done.drafter else "; no drafting")
+        print(f"[{done.generated_tokens} tokens, {done.decode_tps:.1f} tok/s{drafting}]",
+              file=sys.stderr)
     return 0
 
 
@@ -398,13 +402,16 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     store = ModelStore()
     if args.models_command == "list":
+        from backend.speculation.kinds import available_drafters
+
         models = store.list()
         names = {m.name for m in models}
         for m in models:
             draft = "" if m.draft is None else f"  draft {m.draft}" + (
                 "" if m.draft in names else " (missing)")
+            drafters = ",".join(available_drafters(m.path, m.draft))
             print(f"{m.name:40} {m.architecture:12} {m.quantization or 'float':12} "
-                  f"{m.size_bytes / 1e6:9.1f} MB{draft}")
+                  f"{m.size_bytes / 1e6:9.1f} MB  drafters {drafters:17}{draft}".rstrip())
             if args.verbose:
                 print(f"    {_state_per_token(m.path)}")
     elif args.models_command == "import":

@@ -54,6 +54,9 @@ def _arbor_home(tmp_path_factory, monkeypatch):
     the prefix cache's disk tier is each test's own (no test sees another's stored states)."""
     monkeypatch.setenv("ARBOR_HOME", str(tmp_path_factory.getbasetemp() / "arbor-home"))
     monkeypatch.setenv("ARBOR_CACHE_DIR", str(tmp_path_factory.mktemp("prefix-cache")))
+    # Round-cost profiles depend on the machine, not the test: measured once per model and
+    # session (tests/test_cost_profile.py gives each of its tests its own).
+    monkeypatch.setenv("ARBOR_PROFILES_DIR", str(tmp_path_factory.getbasetemp() / "profiles"))
 
 
 @pytest.fixture(scope="session")

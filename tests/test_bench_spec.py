@@ -15,6 +15,8 @@ def test_bench_spec_rows_and_table(tiny_model_dir, tmp_path):
         assert {("arbor", "plain", prompts), ("arbor", "prompt lookup", prompts),
                 ("arbor", "draft model", prompts), ("mlx-lm", "plain", prompts),
                 ("mlx-lm", "draft model", prompts)} <= kinds
+    clients = f"{bench_spec.CLIENTS} clients"
+    assert {("arbor", "plain", clients), ("arbor", "prompt lookup", clients)} <= kinds
     speculative = [r for r in rows if r.engine == "arbor" and r.drafter != "plain"]
     assert all(r.same_tokens is True for r in speculative)
     assert all(r.decode_tps > 0 for r in rows)

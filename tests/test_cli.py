@@ -41,6 +41,19 @@ def test_generate_json_reports_every_field(capsys, tiny_model_dir):
     assert result["finish_reason"] in ("stop", "length")
 
 
+def test_generate_prints_the_reply_then_what_drafting_did(capsys, tiny_model_dir):
+    base = ("generate", "--model", str(tiny_model_dir("llama")), "--prompt-ids",
+            "5,6,7,8,5,6,7,8,5,6", "--max-tokens", "12")
+    code, out, err = run_cli(capsys, *base, "--draft-lookup")
+    assert code == 0 and out.strip()
+    *_, stats = err.strip().splitlines()  # after any warnings the libraries print
+    drafted, accepted = (int(x) for x in re.fullmatch(
+        r"\[\d+ tokens, [\d.]+ tok/s; lookup drafted (\d+), accepted (\d+)\]", stats).groups())
+    assert 0 <= accepted <= drafted
+    code, out, err = run_cli(capsys, *base, "--no-draft")
+    assert code == 0 and err.strip().endswith("; no drafting]")
+
+
 def test_generate_messages_file(capsys, tiny_model_dir, tmp_path):
     msgs = tmp_path / "m.json"
     msgs.write_text(json.dumps([{"role": "user", "content": "hi"}]))

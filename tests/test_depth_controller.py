@@ -1,6 +1,7 @@
 """The depth controller on synthetic rounds: it drafts the depth that commits the most tokens per
 second, falls back to plain decoding when drafting does not pay, is not flipped by one stall,
-believes a faster round soon, and prices depths as back-to-back drafting rounds cost."""
+believes a faster round soon, prices depths as back-to-back drafting rounds cost, and, seeded
+with known costs, stops drafting after a few misses."""
 
 from __future__ import annotations
 
@@ -128,3 +129,16 @@ def test_untried_depths_are_priced_by_the_widest_span():
     assert abs(controller.round_cost(2) - 1.1) < 1e-9
     controller.cost.pop(2)
     assert abs(controller.round_cost(2) - 1.3) < 1e-9  # between tried depths: interpolated
+
+
+def test_a_seeded_controller_gives_up_after_a_few_misses():
+    # Costs known beforehand and the prior say drafting pays; where nothing is copied the
+    # first misses must count at once (held at the prior for 8 outcomes, it took 9 here; at
+    # these costs an acceptance of 0.3 is break-even, so ~6 misses to get there from 0.7).
+    controller = DepthController()
+    controller.seed({n: 1.0 + 0.3 * n for n in range(9)})
+    misses = 0
+    while (depth := controller.choose(8)) > 0:
+        controller.record(depth, 0, None)
+        misses += 1
+    assert 1 <= misses <= 6

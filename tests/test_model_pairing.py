@@ -83,7 +83,9 @@ def test_import_with_a_draft_stores_and_lists_the_pairing(capsys, tiny_model_dir
     assert store.names() == ["tiny", "tiny-draft"]  # the draft is a stored model of its own
     assert store.get("tiny").draft == "tiny-draft" and store.get("tiny-draft").draft is None
     lines = list_lines(capsys)
-    assert lines["tiny"].endswith("draft tiny-draft") and lines["tiny-draft"].endswith("MB")
+    assert lines["tiny"].endswith("draft tiny-draft")
+    assert "drafters lookup,model " in lines["tiny"]
+    assert lines["tiny-draft"].endswith("drafters lookup")  # no pair of its own
     # Pairing again by store name reuses both entries; the same import again changes nothing.
     code, _, err = arbor(capsys, "models", "import", str(tiny_model_dir("llama")), "--name",
                            "tiny", "--draft", "tiny-draft")
@@ -191,3 +193,14 @@ def test_asking_for_a_draft_model_without_one_says_how_to_pair_one(tiny_model_di
     with pytest.raises(InvalidRequestError, match="no draft model is loaded: pair one"):
         list(engine.generate(request))
     assert engine.drafter is None and engine.speculation == "lookup"
+
+
+def test_models_list_shows_each_models_drafters(capsys, home, tiny_model_dir):
+    # Prompt lookup always; a checkpoint's own multi-token-prediction head where it ships one.
+    for case, name in (("qwen3_next-mtp", "with-head"), ("qwen3_next", "without-head")):
+        code, _, err = arbor(capsys, "models", "import", str(tiny_model_dir(case)), "--name",
+                             name)
+        assert code == 0, err
+    lines = list_lines(capsys)
+    assert lines["with-head"].endswith("drafters lookup,mtp")
+    assert lines["without-head"].endswith("drafters lookup")

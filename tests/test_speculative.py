@@ -132,13 +132,14 @@ class ScriptedDepths(DepthController):
         self.script = script
         self.told: list[tuple[int, bool, bool]] = []
 
-    def choose(self, limit: int) -> int:
+    def choose(self, limit: int, rounds=None) -> int:
         self.rounds += 1
         return min(self.script[(self.rounds - 1) % len(self.script)], limit)
 
-    def record(self, depth, accepted, seconds, after_plain_step=False, after_round=False):
+    def record(self, depth, accepted, seconds, after_plain_step=False, after_round=False,
+               rounds=None):
         self.told.append((depth, after_plain_step, after_round))
-        super().record(depth, accepted, seconds, after_plain_step, after_round)
+        super().record(depth, accepted, seconds, after_plain_step, after_round, rounds)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -305,3 +306,26 @@ def test_lookup_index_finds_what_the_plain_search_finds(context, n):
     for end in range(1, len(context) + 1):  # one growing context, as during a reply
         draft = drafter.propose(context[:end], n, None, None)
         assert (draft.known if draft else []) == lookup(context[:end], n, 3, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=40), min_size=2, max_size=6),
+       st.integers(1, 8))
+def test_lookup_index_follows_contexts_that_do_not_grow(contexts, n):
+    """One drafter asked about unrelated contexts in turn (shorter ones: the index starts over;
+    edited ones no shorter than the last: it must notice too) finds what the plain search
+    finds in each."""
+    drafter = PromptLookupDrafter(max_ngram=3, min_ngram=1)
+    for context in contexts:
+        draft = drafter.propose(context, n, None, None)
+        assert (draft.known if draft else []) == lookup(context, n, 3, 1)
+
+
+def test_lookup_index_notices_a_shorter_context_and_an_edit_that_keeps_the_length():
+    drafter = PromptLookupDrafter(max_ngram=2, min_ngram=1)
+    assert drafter.propose([1, 2, 3, 1], 2, None, None).known == [2, 3]
+    assert drafter.propose([4, 5, 4], 2, None, None).known == [5, 4]  # shorter: start over
+    # The same length with one id edited (a stale index would still follow 4 with 5), then
+    # grown.
+    assert drafter.propose([4, 6, 4], 1, None, None).known == [6]
+    assert drafter.propose([4, 6, 4, 4, 6], 2, None, None).known == [4, 4]

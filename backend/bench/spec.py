@@ -7,7 +7,12 @@ Rows, each greedy over the same prompts with a fixed number of new tokens:
   on prompts where drafting does not pay (open questions);
 * Arbor with a draft model: the float32 model as target, its own 4-bit quantization (Arbor's
   quantizer, float32 scales, the layout mlx-lm loads too) as draft;
-* mlx-lm's plain and speculative decoding (``speculative_generate_step``) on the same pair.
+* mlx-lm's plain and speculative decoding (``speculative_generate_step``) on the same pair;
+* concurrent: ``CLIENTS`` copy-heavy requests submitted at once to one engine
+  (``Engine.submit`` / ``step``, ``max_batch=CLIENTS``: every step one batched forward over all
+  of them), with prompt lookup against the same without drafting: aggregate tok/s (every
+  client's new tokens over the time from submitting to the last token) and whether each
+  client's tokens equal its plain batched reply's.
 
 Decode tok/s = (new tokens - 1) / (time from the first to the last token), the best of
 ``repeats`` runs per row (the machine is shared and noisy; Arbor's three rows take turns per
@@ -42,6 +47,9 @@ COPY_PROMPTS = (
     f"Copy the text below, then stop.\n\n{PASSAGE}",
     f"Extract the sentences that mention the keeper from this text, word for word:\n\n{PASSAGE}",
 )
+CLIENTS = 4
+CONCURRENT_PROMPTS = COPY_PROMPTS + (
+    f"Repeat this passage word for word, then stop:\n\n{PASSAGE}",)
 OPEN_PROMPTS = (
     "What are three good habits for staying healthy?",
     "Write a short poem about autumn leaves.",
@@ -125,6 +133,61 @@ def arbor_rows(target: Path, draft: Path, new_tokens: int, repeats: int,
     return rows, plain_ids
 
 
+def _concurrent_run(engine: Engine, new_tokens: int, draft: str) -> tuple[list, float, list]:
+    """(each client's token ids, aggregate tok/s, done events) of ``CLIENTS`` requests
+    submitted at once and stepped together."""
+    engine.clear_cache()
+    start = time.perf_counter()
+    streams = [engine.submit(GenerateRequest(messages=[{"role": "user", "content": prompt}],
+                                             max_tokens=new_tokens, ignore_eos=True,
+                                             draft=draft))
+               for prompt in CONCURRENT_PROMPTS[:CLIENTS]]
+    ids: list[list[int]] = [[] for _ in streams]
+    done: list = [None] * len(streams)
+
+    def drain() -> None:
+        for i, stream in enumerate(streams):
+            while stream.events:
+                event = stream.events.popleft()
+                if isinstance(event, DoneEvent):
+                    done[i] = event
+                elif isinstance(event, TokenEvent) and event.token_id >= 0:
+                    ids[i].append(event.token_id)
+
+    while engine.step():
+        drain()
+    drain()
+    seconds = time.perf_counter() - start
+    return ids, sum(len(i) for i in ids) / seconds, done
+
+
+def concurrent_rows(target: Path, new_tokens: int, repeats: int,
+                    log: Callable[[str], None]) -> list[Row]:
+    """Plain and prompt-lookup batches of ``CLIENTS`` clients, taking turns ``repeats`` times
+    (the best of each kept)."""
+    memory = CacheConfig.memory_only()
+    engine = Engine.load(str(target), cache=memory, speculation="lookup", max_batch=CLIENTS)
+    for draft in ("none", "lookup"):  # warm up (kernels, the round-cost profile)
+        _concurrent_run(engine, 16, draft)
+    best: dict[str, tuple | None] = {"none": None, "lookup": None}
+    for _ in range(repeats):
+        for draft in best:
+            log(f"arbor concurrent, {CLIENTS} clients, {draft}")
+            result = _concurrent_run(engine, new_tokens, draft)
+            if best[draft] is None or result[1] > best[draft][1]:
+                best[draft] = result
+    plain_ids = best["none"][0]
+    ids, rate, done = best["lookup"]
+    drafted = sum(d.drafted_tokens for d in done)
+    accepted = sum(d.accepted_tokens for d in done)
+    rounds = sum(d.draft_rounds for d in done)
+    label = f"{CLIENTS} clients"
+    return [Row("arbor", "plain", label, best["none"][1]),
+            Row("arbor", "prompt lookup", label, rate, ids == plain_ids,
+                accepted / drafted if drafted else None,
+                accepted / rounds if rounds else None)]
+
+
 def mlx_lm_rows(target: Path, draft: Path, new_tokens: int, repeats: int, num_draft: int,
                 log: Callable[[str], None]) -> list[Row]:
     from mlx_lm.generate import generate_step, speculative_generate_step
@@ -170,6 +233,7 @@ def run(source: Path, work: Path, new_tokens: int = 128, repeats: int = 2,
     draft = ModelStore(work / "store").import_path(target, name=f"{source.name}-q4",
                                                     quantize=4).path
     rows, _ = arbor_rows(target, draft, new_tokens, repeats, log)
+    rows += concurrent_rows(target, new_tokens, repeats, log)
     if against_mlx_lm:
         rows += mlx_lm_rows(target, draft, new_tokens, repeats, mlx_lm_drafts, log)
     return rows
@@ -178,6 +242,7 @@ def run(source: Path, work: Path, new_tokens: int = 128, repeats: int = 2,
 def format_table(rows: list[Row], new_tokens: int) -> str:
     plain = {(r.engine, r.prompts): r.decode_tps for r in rows if r.drafter == "plain"}
     lines = [f"greedy, {new_tokens} new tokens per reply, decode tok/s (best of runs, mean over "
+             f"prompts; {CLIENTS} clients: aggregate tok/s, submit to last token, copy-heavy "
              "prompts); ratio against the same engine's plain decoding",
              f"{'engine':7} {'drafter':34} {'prompts':11} {'tok/s':>7} {'ratio':>6} "
              f"{'same tokens':>11} {'accepted':>8} {'per round':>9}"]

@@ -7,7 +7,8 @@ controller picks ``argmax E(N) / cost(N)`` over ``0 .. limit``, so it falls back
 (depth 0) when drafting does not pay, and speculation never stays slower for long.
 
 Both are running estimates: ``a_j`` an exponentially weighted mean of the outcomes at position j
-(updated only where a round reached j), kept apart by context, whether the previous round kept
+(updated only where a round reached j; its first outcomes averaged with the prior, so a few
+misses already count), kept apart by context, whether the previous round kept
 any of its drafts: acceptance comes in runs (a passage being copied, a formulaic stretch; a
 copying run misses now and then, late in a round, while a free stretch misses at once), so
 after a round that kept drafts drafting deep pays, after one that kept none or a plain step
@@ -19,7 +20,13 @@ up a long plain stretch, must not keep a depth looking dear for hundreds of roun
 never tried are priced by linear interpolation between the tried ones, or outside them by the slope
 over the widest span of tried drafting depths; every ``probe_every``
 rounds the controller tries one deeper than its choice, backing off while probes change nothing.
-The controller outlives requests (one per engine and drafter kind).
+The controller outlives requests (one per engine and drafter kind), and several replies
+decoding in one batch share it: what one reply carries from round to round (its context, its
+last choice) is that reply's own ``Rounds``, while costs and acceptance are pooled.
+
+A fresh controller knows no costs and would price plain decoding first and the depths one by one
+within the reply, so a short reply drafts little; ``seed(costs)`` gives it the round costs
+measured before the first round (``speculation/profile.py``), which real rounds then refine.
 """
 
 from __future__ import annotations
@@ -35,10 +42,23 @@ FASTER_EWMA = 0.5
 # plain step), and near break-even, flipping back and forth on noise loses more than it wins.
 SWITCH_MARGIN = 0.1
 PRIOR_ACCEPTANCE = 0.7  # before any evidence at a position
-TRUST_AFTER = 8  # outcomes before a position's own estimate is trusted
+# The prior counts as this many outcomes: a position's first outcomes move its estimate as their
+# mean with the prior would (weight 1 / (n + PRIOR_WEIGHT)), later ones by ACCEPT_EWMA. With the
+# costs known before the first round (``seed``), a fresh reply where nothing is copied then
+# stops drafting after a few misses instead of a dozen at the prior.
+PRIOR_WEIGHT = 4
+TRUST_AFTER = 2  # outcomes before a position's own estimate is trusted
 # Contexts of the acceptance estimates: what the previous round did.
 AFTER_MISS = 0  # the first draft was rejected, or the round was a plain step
 AFTER_HIT = 1  # at least one draft was accepted
+
+
+@dataclass
+class Rounds:
+    """What one reply carries from one round to the next."""
+
+    context: int = AFTER_MISS  # the next round's (AFTER_MISS / AFTER_HIT)
+    last_choice: int = -1  # the depth last chosen (not a probe); -1 before the first round
 
 
 @dataclass
@@ -51,14 +71,26 @@ class DepthController:
     reached: list[list[int]] = field(default_factory=list)
     cost: dict[int, float] = field(default_factory=dict)  # seconds per round by depth
     rounds: int = 0
-    context: int = AFTER_MISS  # the next round's
     _probe_interval: int = 0
-    _last_choice: int = -1
+    _own: Rounds = field(default_factory=Rounds)  # for callers that keep no ``Rounds``
 
     def __post_init__(self) -> None:
         self.acceptance = [[PRIOR_ACCEPTANCE] * self.max_depth for _ in (AFTER_MISS, AFTER_HIT)]
         self.reached = [[0] * self.max_depth for _ in (AFTER_MISS, AFTER_HIT)]
         self._probe_interval = self.probe_every
+
+    @property
+    def context(self) -> int:
+        """The next round's context, for a caller that keeps no ``Rounds`` of its own."""
+        return self._own.context
+
+    def seed(self, costs: dict[int, float]) -> None:
+        """Round costs by depth measured beforehand (``speculation/profile.py``): the first
+        round is then chosen by them instead of by a plain step priced first. Real rounds
+        refine them as any estimate (a cost already learned here is kept)."""
+        for depth, seconds in costs.items():
+            if 0 <= depth <= self.max_depth and seconds > 0:
+                self.cost.setdefault(depth, seconds)
 
     # -- estimates -------------------------------------------------------------------------------
     def expected_tokens(self, depth: int, context: int | None = None) -> float:
@@ -99,8 +131,9 @@ class DepthController:
         return max(1e-6, self.cost[lo] + slope * (depth - lo))
 
     # -- decisions -------------------------------------------------------------------------------
-    def choose(self, limit: int) -> int:
-        """Depth for the next round, at most ``limit``."""
+    def choose(self, limit: int, rounds: Rounds | None = None) -> int:
+        """Depth for the next round of the reply ``rounds`` tracks, at most ``limit``."""
+        rounds = self._own if rounds is None else rounds
         limit = max(0, min(limit, self.max_depth))
         self.rounds += 1
         if limit == 0:
@@ -115,22 +148,29 @@ class DepthController:
         best, best_rate = 0, 0.0
         for depth in range(limit + 1):
             cost = self.round_cost(depth)
-            rate = self.expected_tokens(depth) / cost if cost else 0.0
-            if depth and self._last_choice <= 0:
+            rate = self.expected_tokens(depth, rounds.context) / cost if cost else 0.0
+            if depth and rounds.last_choice <= 0:
                 rate /= 1.0 + SWITCH_MARGIN  # leaving plain decoding must pay for the switch
             if rate > best_rate:
                 best, best_rate = depth, rate
-        if best != self._last_choice:
+        if best != rounds.last_choice:
             self._probe_interval = self.probe_every
-        self._last_choice = best
+        rounds.last_choice = best
         if self.rounds % self._probe_interval == 0 and best < limit:
             self._probe_interval = min(self._probe_interval * 2, 512)
             return best + 1
         return best
 
-    def record(self, depth: int, accepted: int, seconds: float,
-               after_plain_step: bool = False, after_round: bool = False) -> None:
-        """A round of ``depth`` drafts kept ``accepted`` of them and took ``seconds``.
+    def record(self, depth: int, accepted: int, seconds: float | None,
+               after_plain_step: bool = False, after_round: bool = False,
+               rounds: Rounds | None = None) -> None:
+        """A round of ``depth`` drafts kept ``accepted`` of them and took ``seconds`` (None:
+        its time says nothing of its cost, e.g. it shared a step with another's prefill; only
+        the acceptance counts). ``rounds``: the reply's (see ``choose``).
+
+        In a batch the caller passes the round's share of the batched step it ran in, not the
+        step's whole time: the rows of every sequence share the step, and a round priced at
+        the whole step would look as dear as if it had run alone beside idle others.
 
         ``after_plain_step``: the round followed a plain step, so it also waited for the
         forward that step queued (its row judges draft 1). A round after a verify round puts
@@ -144,9 +184,21 @@ class DepthController:
         ms against 26-28). Plain decoding is priced as such a run, so this step is not priced
         at all: otherwise, with most plain steps taken between rounds, depth 0 looked ~20%
         dearer than it is and the controller kept drafting where plain decoding was faster."""
+        rounds = self._own if rounds is None else rounds
         if depth == 0 and after_round:
-            self.context = AFTER_MISS
+            rounds.context = AFTER_MISS
             return
+        if seconds is not None:
+            self._price(depth, seconds, after_plain_step)
+        acceptance, reached = self.acceptance[rounds.context], self.reached[rounds.context]
+        for j in range(min(depth, accepted + 1)):  # positions the round reached
+            outcome = 1.0 if j < accepted else 0.0
+            reached[j] += 1
+            weight = max(ACCEPT_EWMA, 1.0 / (reached[j] + PRIOR_WEIGHT))
+            acceptance[j] += weight * (outcome - acceptance[j])
+        rounds.context = AFTER_HIT if depth and accepted else AFTER_MISS
+
+    def _price(self, depth: int, seconds: float, after_plain_step: bool) -> None:
         if after_plain_step and depth and 0 in self.cost:
             seconds = max(seconds - self.cost[0], 0.1 * seconds)
         old = self.cost.get(depth)
@@ -158,9 +210,3 @@ class DepthController:
             else:
                 sample = min(seconds, old * (1 + COST_CLAMP))
                 self.cost[depth] = old + COST_EWMA * (sample - old)
-        acceptance, reached = self.acceptance[self.context], self.reached[self.context]
-        for j in range(min(depth, accepted + 1)):  # positions the round reached
-            outcome = 1.0 if j < accepted else 0.0
-            reached[j] += 1
-            acceptance[j] += ACCEPT_EWMA * (outcome - acceptance[j])
-        self.context = AFTER_HIT if depth and accepted else AFTER_MISS

@@ -77,7 +77,9 @@ class PromptLookupDrafter:
     """Drafts by matching the latest n-gram (``max_ngram`` down to ``min_ngram`` tokens) against
     the prompt and the generation so far, preferring the most recent occurrence. One per reply:
     an index of every n-gram's last two end positions grows with the context (O(max_ngram) per
-    token), so a lookup costs the same at any context length."""
+    token), so a lookup costs about the same at any context length. A context that does not
+    extend the one indexed (shorter, or edited anywhere: one list comparison notices, at C
+    speed) is indexed again from the start."""
 
     kind = "lookup"
 
@@ -96,7 +98,7 @@ class PromptLookupDrafter:
 
     def _index(self, held: Sequence[int]) -> None:
         tokens = self._tokens
-        if len(held) < len(tokens):  # not one growing context: start over
+        if len(held) < len(tokens) or held[:len(tokens)] != tokens:  # not one growing context
             tokens.clear()
             self._last.clear()
             self._before.clear()
