@@ -395,10 +395,12 @@ def cmd_models(args: argparse.Namespace) -> int:
     store = ModelStore()
     if args.models_command == "list":
         models = store.list()
-        names = {m.name for m in models}
+        kinds = {m.name: m.architecture for m in models}
         for m in models:
-            draft = "" if m.draft is None else f"  draft {m.draft}" + (
-                "" if m.draft in names else " (missing)")
+            # A Gemma 4 assistant is paired like a draft model; the line says which it is.
+            kind = {None: " (missing)", "gemma4_assistant": " (assistant)"}.get(
+                kinds.get(m.draft), "")
+            draft = "" if m.draft is None else f"  draft {m.draft}{kind}"
             print(f"{m.name:40} {m.architecture:12} {m.quantization or 'float':12} "
                   f"{m.size_bytes / 1e6:9.1f} MB{draft}")
             if args.verbose:

@@ -298,3 +298,40 @@ def test_an_assistant_alone_or_for_another_target_is_refused(pair, tiny_model_di
     with pytest.raises(ModelLoadError, match="cannot draft for .*Gemma 4 targets"):
         Engine.load(str(tiny_model_dir("llama")), cache=CacheConfig.memory_only(),
                     draft=str(pair["random"]))
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_import_pairs_an_assistant_and_a_stored_target_drafts_with_it(
+        pair, bits, capsys, monkeypatch, tmp_path):
+    """``arbor models import TARGET --draft ASSISTANT [--quantize-draft 4]``: listed as the
+    target's assistant, loaded with it (``drafter == "assistant"``), replies as plain."""
+    from tests.test_model_pairing import arbor, list_lines
+
+    monkeypatch.setenv("ARBOR_HOME", str(tmp_path / "home"))
+    extra = ["--quantize-draft", str(bits)] if bits else []
+    code, out, err = arbor(capsys, "models", "import", str(pair["target"]), "--name", "g4",
+                           "--draft", str(pair["fitted"]), *extra)
+    assert code == 0, err
+    lines = list_lines(capsys)
+    assert lines["g4"].endswith("draft tiny-assistant-fitted (assistant)")
+    assert "gemma4_assistant" in lines["tiny-assistant-fitted"]
+    if bits:
+        assert "4-bit" in lines["tiny-assistant-fitted"]
+    engine = Engine.load("g4", cache=CacheConfig.memory_only())
+    plain = Engine.load("g4", cache=CacheConfig.memory_only(), speculation="none")
+    ids, logprobs, done, _ = reply(engine, PROMPT, n=24)
+    assert (ids, logprobs) == reply(plain, PROMPT, n=24)[:2]
+    assert done.drafter == "assistant" and done.accepted_tokens > 0
+    assert reply(engine, PROMPT, n=4, draft="model")[2].drafter == "assistant"
+
+
+def test_pairing_an_assistant_with_another_target_is_refused(pair, tiny_model_dir, capsys,
+                                                             monkeypatch, tmp_path):
+    from tests.test_cli import assert_one_line_error
+    from tests.test_model_pairing import arbor, store_state
+
+    monkeypatch.setenv("ARBOR_HOME", str(tmp_path / "home"))
+    code, _, err = arbor(capsys, "models", "import", str(tiny_model_dir("llama")), "--name",
+                         "tiny", "--draft", str(pair["fitted"]))
+    assert_one_line_error(code, err, "cannot draft for 'tiny'", "Gemma 4 targets")
+    assert store_state(tmp_path / "home") == {}

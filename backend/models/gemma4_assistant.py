@@ -98,6 +98,31 @@ class ModelArgs:
         return args_from_config(cls, top, text=gemma4.ModelArgs.from_config(text))
 
 
+def target_mismatch(args: ModelArgs, target_args: Any) -> str | None:
+    """Why an assistant with ``args`` cannot draft for a target with ``target_args`` (any
+    family's arguments), or None: it needs a Gemma 4 target of its width, vocabulary, window
+    and head sizes, whose key-value heads its query heads group over."""
+    text = args.text
+    if not isinstance(target_args, gemma4.ModelArgs):
+        return f"it drafts for Gemma 4 targets, not {target_args.model_type!r}"
+    wants = {"hidden_size": args.backbone_hidden_size, "vocab_size": text.vocab_size,
+             "sliding_window": text.sliding_window}
+    if gemma4.SLIDING in text.layer_types:
+        wants["head_dim"] = text.head_dim
+    if FULL in text.layer_types:
+        wants["global_head_dim"] = text.global_head_dim
+    for key, value in wants.items():
+        if getattr(target_args, key) != value:
+            return f"its {key} is {value}, the target's {getattr(target_args, key)}"
+    kv_heads = {target_args.num_key_value_heads}
+    if target_args.attention_k_eq_v and target_args.num_global_key_value_heads:
+        kv_heads.add(target_args.num_global_key_value_heads)
+    if any(text.num_attention_heads % heads for heads in kv_heads):
+        return (f"its {text.num_attention_heads} query heads do not group over the "
+                f"target's key-value heads ({', '.join(map(str, sorted(kv_heads)))})")
+    return None
+
+
 class CentroidHead(nn.Module):
     """The centroid-routed vocabulary projection (module docstring)."""
 
@@ -159,27 +184,8 @@ class Model(nn.Module):
         return list(self.args.text.layer_types)
 
     def check_target(self, target_args: Any) -> str | None:
-        """Why this assistant cannot draft for a target with ``target_args`` (a Gemma 4
-        ``ModelArgs``), or None."""
-        text = self.args.text
-        if not isinstance(target_args, gemma4.ModelArgs):
-            return f"it drafts for Gemma 4 targets, not {target_args.model_type!r}"
-        wants = {"hidden_size": self.args.backbone_hidden_size, "vocab_size": text.vocab_size,
-                 "sliding_window": text.sliding_window}
-        if gemma4.SLIDING in text.layer_types:
-            wants["head_dim"] = text.head_dim
-        if FULL in text.layer_types:
-            wants["global_head_dim"] = text.global_head_dim
-        for key, value in wants.items():
-            if getattr(target_args, key) != value:
-                return f"its {key} is {value}, the target's {getattr(target_args, key)}"
-        kv_heads = {target_args.num_key_value_heads}
-        if target_args.attention_k_eq_v and target_args.num_global_key_value_heads:
-            kv_heads.add(target_args.num_global_key_value_heads)
-        if any(text.num_attention_heads % heads for heads in kv_heads):
-            return (f"its {text.num_attention_heads} query heads do not group over the "
-                    f"target's key-value heads ({', '.join(map(str, sorted(kv_heads)))})")
-        return None
+        """Why this assistant cannot draft for a target with ``target_args``, or None."""
+        return target_mismatch(self.args, target_args)
 
     def step(self, embedded: mx.array, previous: mx.array,
              histories: dict[str, KVHistory]) -> tuple[mx.array, mx.array]:

@@ -399,6 +399,7 @@ class ModelStore:
             raise ModelLoadError(f"{name!r} cannot be its own draft")
         reason = Tokenizer.from_folder(target.path).vocabulary_mismatch(
             Tokenizer.from_folder(helper.path))
+        reason = reason or _assistant_mismatch(target.path, helper.path)
         if reason:
             raise ModelLoadError(f"{draft!r} cannot draft for {name!r}: {reason}")
         staged = target.path / f".{PAIRING_FILE}.{os.getpid()}"
@@ -629,3 +630,15 @@ __all__ = [
     "read_pairing",
     "weight_files",
 ]
+
+
+def _assistant_mismatch(target: Path, draft: Path) -> str | None:
+    """Why the stored model in ``draft``, when it is a Gemma 4 assistant, cannot draft for the
+    one in ``target`` (``gemma4_assistant.target_mismatch``); None otherwise."""
+    from backend.models import architecture_args, gemma4_assistant
+
+    module, args = architecture_args(read_config(draft), draft / "config.json")
+    if module is not gemma4_assistant:
+        return None
+    _, target_args = architecture_args(read_config(target), target / "config.json")
+    return gemma4_assistant.target_mismatch(args, target_args)
