@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("suite", nargs="?", choices=BENCH_SUITES, default="speed",
                        help="speed: prefill/decode per weight format; cache: many conversations "
                        "round-robin against arbor serve and mlx-lm's server, then a restart; "
-                       "spec: plain vs speculative decoding (prompt lookup, a 4-bit self draft); "
+                       "spec: plain vs speculative decoding (prompt lookup, a 4-bit self draft), "
+                       "and a random Gemma 4 assistant's draft and verify costs; "
                        "batch: 1..16 clients streaming at once against arbor serve and mlx-lm's "
                        "server, a long prompt arriving mid-stream, step cost per batch size")
     _model_args(bench)
@@ -481,6 +482,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               against_mlx_lm=args.against == "mlx-lm",
                               log=lambda m: print(m, file=sys.stderr))
         print(bench_spec.format_table(rows, new_tokens))
+        from backend.bench import assistant as bench_assistant
+
+        costs, same = bench_assistant.run(work, work / f"{Path(source).name}-float32",
+                                          log=lambda m: print(m, file=sys.stderr))
+        print(bench_assistant.format_rows(costs, same))
         return 0
     args.new_tokens = args.new_tokens or 128
     hybrid = []

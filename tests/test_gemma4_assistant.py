@@ -335,3 +335,25 @@ def test_pairing_an_assistant_with_another_target_is_refused(pair, tiny_model_di
                          "tiny", "--draft", str(pair["fitted"]))
     assert_one_line_error(code, err, "cannot draft for 'tiny'", "Gemma 4 targets")
     assert store_state(tmp_path / "home") == {}
+
+
+# -- 5. the benchmark's rows -------------------------------------------------------------------
+
+def test_bench_rows_measure_and_the_tiny_pair_replies_as_plain(pair):
+    """``arbor bench spec``'s assistant rows on the tiny pair: every cost measured, break-even
+    acceptances that are probabilities and grow with what a round costs, and the fitted pair's
+    reply through the engine equal to plain decoding's (timings are the benchmark's, not
+    asserted here)."""
+    from backend.bench import assistant as bench
+
+    costs = bench.measure(pair["target"], pair["fitted"], context=20, max_drafts=4, repeats=1)
+    assert costs.plain_s > 0 and costs.draft_s > 0 and set(costs.verify_s) == {1, 2, 3, 4}
+    for k in costs.verify_s:
+        even = costs.break_even(k)
+        assert even is None or 0 <= even <= 1
+    cheap = bench.Costs(20, plain_s=1.0, draft_s=0.1, verify_s={1: 1.0, 2: 1.0})
+    assert 0 < cheap.break_even(1) < cheap.break_even(2) < 1  # each extra draft costs 0.1
+    assert bench.Costs(20, 1.0, 1.0, {1: 2.0}).break_even(1) is None  # 2 tokens in 3 plain steps
+    equal, drafted, accepted = bench.same_tokens(pair["target"], pair["fitted"], pair["target"])
+    assert equal and drafted > 0
+    assert "same tokens as plain: yes" in bench.format_rows(costs, (equal, drafted, accepted))
