@@ -192,9 +192,9 @@ class Engine:
         if config.directory is not None:
             memo = Path(config.directory) / "hashes.json"
             fingerprint = _fingerprint(self.loaded, memo)
-            if self.draft is not None:  # the stored states include the draft model's
+            if self._drafter_kind == "model":  # the stored states include the draft model's
                 fingerprint = f"{fingerprint}-{_fingerprint(self.draft, memo)[:12]}"
-            elif self.drafter is not None:  # ... or the MTP head's
+            elif self._drafter_kind == "mtp":  # ... or the MTP head's (an assistant has none)
                 fingerprint = f"{fingerprint}-{self.drafter.kind}"
             disk = DiskStore(Path(config.directory), fingerprint, io=config.disk_io,
                              retry=config.disk_retry or RetryPolicy())

@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from backend.api import SamplingParams
+from backend.api import GenerateRequest, SamplingParams
 from backend.engine import Engine
 from backend.errors import ModelLoadError
 from backend.memory.budgets import CacheBudgets, CacheConfig
@@ -185,6 +185,43 @@ def test_replies_resumed_from_every_tier_equal_plain_replies(pair, tmp_path):
         spec.close()
     assert 0 < accepted < drafted
     assert all(tiers.get(t, 0) > 0 for t in ("live", "device", "host", "disk")), tiers
+
+
+def test_replies_in_a_batch_equal_their_solo_replies(pair):
+    """Four requests sharing batched forwards, each lane with its own assistant over its own
+    target caches (PROMPT's drafts accepted, the others' not; one samples with a seed; a fixed
+    depth, as the depth controller learns from every request's rounds): each reply equals the
+    one it gets alone."""
+    from tests.test_batching import events_reply
+
+    folder = str(pair["target"])
+    rng = random.Random(6)
+    requests = [GenerateRequest(prompt_ids=prompt, max_tokens=20, logprobs=True,
+                                ignore_eos=True, sampling=sampling)
+                for prompt, sampling in (
+                    (PROMPT, SamplingParams()), (OTHER, SamplingParams()),
+                    (PROMPT[:7], SamplingParams(temperature=0.8, seed=9)),
+                    ([rng.randrange(3, 300) for _ in range(20)], SamplingParams()))]
+    solo = Engine.load(folder, cache=CacheConfig(CacheBudgets(0, 0, 0), None),
+                       prefill_chunk=EXACT_CHUNK, draft=str(pair["fitted"]), draft_depth=3)
+    expected = [events_reply(list(solo.generate(r))) for r in requests]
+    engine = Engine.load(folder, cache=CacheConfig.memory_only(), prefill_chunk=EXACT_CHUNK,
+                         draft=str(pair["fitted"]), draft_depth=3, max_batch=4)
+    streams = [engine.submit(r) for r in requests]
+    events = [[] for _ in requests]
+    most = 0
+    while engine.scheduler.busy:
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+        for i, stream in enumerate(streams):
+            while stream.events:
+                events[i].append(stream.events.popleft())
+            assert stream.error is None, stream.error
+    assert most == 4
+    done = [e[-1] for e in events]
+    assert all(d.drafter == "assistant" for d in done) and done[0].accepted_tokens > 0
+    for i, got in enumerate(events):
+        assert events_reply(got) == expected[i], f"request {i}"
 
 
 # -- 3. rollback and memory --------------------------------------------------------------------

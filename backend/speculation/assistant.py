@@ -96,6 +96,13 @@ class AssistantDrafter:
         self._edges = {p: row for p, row in self._edges.items() if p > edge - KEEP}
 
     def _drop_from(self, position: int) -> None:
+        """Forget what target forwards wrote at ``position`` and after: hidden rows, and the
+        edges copied after a forward that ended past ``position`` (another conversation's,
+        or rejected drafts')."""
+        ring = self.sources.get(SLIDING)
+        if ring is not None:
+            self._edges = {p: row for p, row in self._edges.items()
+                           if p + ring.window <= position}
         kept = []
         for start, hidden in self._rows:
             if start < position:
