@@ -157,6 +157,8 @@ def test_replies_resumed_from_every_tier_equal_plain_replies(pair, tmp_path):
     # Never switched: one prefill in row-invariant chunks, as a resumed state was written.
     plain = Engine.load(folder, cache=CacheConfig(CacheBudgets(0, 0, 0), None),
                         prefill_chunk=EXACT_CHUNK, speculation="none")
+    fresh = Engine.load(folder, cache=CacheConfig(CacheBudgets(0, 0, 0), None),
+                        prefill_chunk=EXACT_CHUNK, draft=str(pair["fitted"]), draft_depth=4)
     configs = (CacheConfig(CacheBudgets(1 << 20, 0, 0), None, capture_interval=16),
                CacheConfig(CacheBudgets(0, 256 * KIB, 1 << 20), tmp_path, capture_interval=16))
     rng = random.Random(2)
@@ -174,6 +176,10 @@ def test_replies_resumed_from_every_tier_equal_plain_replies(pair, tmp_path):
                 prompt = convs[c]
                 ids, logprobs, done, _ = reply(spec, prompt, n=8)
                 assert (ids, logprobs) == reply(plain, prompt, n=8)[:2], (turn, c)
+                # Resumed, the assistant drafts what it drafts after a fresh prefill.
+                never = reply(fresh, prompt, n=8)[2]
+                assert (done.drafted_tokens, done.accepted_tokens) == \
+                    (never.drafted_tokens, never.accepted_tokens), (turn, c, done.cached_by_tier)
                 for tier, n in done.cached_by_tier.items():
                     tiers[tier] = tiers.get(tier, 0) + n
                 drafted += done.drafted_tokens
@@ -220,8 +226,11 @@ def test_replies_in_a_batch_equal_their_solo_replies(pair):
     assert most == 4
     done = [e[-1] for e in events]
     assert all(d.drafter == "assistant" for d in done) and done[0].accepted_tokens > 0
+    solo_done = [list(solo.generate(r))[-1] for r in requests]
     for i, got in enumerate(events):
         assert events_reply(got) == expected[i], f"request {i}"
+        assert (done[i].drafted_tokens, done[i].accepted_tokens) == \
+            (solo_done[i].drafted_tokens, solo_done[i].accepted_tokens), f"request {i}"
 
 
 # -- 3. rollback and memory --------------------------------------------------------------------
@@ -271,6 +280,16 @@ def test_rejected_rounds_leave_what_a_fresh_prefill_gives(pair):
     drafter.observe(0, prefix, target.hidden(prefix[None], caches))
     committed = _rounds(target, drafter, caches, committed, rng, 30)
     assert len(committed) > 3 * 8  # the window wrapped several times
+    # Last, a block led by the newest id, two of its five rows kept.
+    draft = drafter.propose(committed + [66], 4, GREEDY, no_history)
+    block = mx.concatenate([mx.array([66], dtype=mx.int32), draft.tokens])
+    tx = SpeculativeWrite(caches, block.shape[0])
+    hidden = target.hidden(block[None], caches)
+    drafter.observe(len(committed), block, hidden)
+    mx.eval(hidden, [c.arrays() for c in caches])
+    tx.commit(2)
+    committed = committed + block.tolist()[:2]
+    drafter.settle(committed)
 
     fresh_caches = target.make_caches()
     fresh = AssistantDrafter(target, assistant, fresh_caches)
@@ -283,15 +302,27 @@ def test_rejected_rounds_leave_what_a_fresh_prefill_gives(pair):
         assert a.key_start == b.key_start
         np.testing.assert_array_equal(np.array(a.keys), np.array(b.keys))
         np.testing.assert_array_equal(np.array(a.values), np.array(b.values))
-    np.testing.assert_array_equal(np.array(drafter._hidden_at(anchor)),
-                                  np.array(fresh._hidden_at(anchor)))
+    truth = {kind: cache.visible_keys(anchor) for kind, cache in fresh.sources.items()}
+    # The next id fed by a one-token step (its key overwrites the ring's oldest position):
+    # both drafters still hand the assistant the window the target's query at the anchor sees.
     token = 77
-    for kind in drafter.sources:
-        a = drafter._visible(drafter.sources[kind], anchor)
-        b = fresh._visible(fresh.sources[kind], anchor)
-        np.testing.assert_array_equal(np.array(a.keys), np.array(b.keys))
-    got = drafter.propose(committed + [token], 6, GREEDY, no_history).tokens.tolist()
-    assert got == fresh.propose(committed + [token], 6, GREEDY, no_history).tokens.tolist()
+    for d, cs in ((drafter, caches), (fresh, fresh_caches)):
+        step = mx.array([token], dtype=mx.int32)
+        hidden = target.hidden(step[None], cs)
+        d.observe(len(committed), step, hidden)
+        mx.eval(hidden)
+    assert caches[0].offset == len(committed) + 1
+    for d in (drafter, fresh):
+        np.testing.assert_array_equal(np.array(d._hidden_at(anchor)),
+                                      np.array(fresh._hidden_at(anchor)))
+        for kind, cache in d.sources.items():
+            seen = d._visible(cache, anchor)
+            assert seen.key_start == truth[kind].key_start, kind
+            np.testing.assert_array_equal(np.array(seen.keys), np.array(truth[kind].keys))
+            np.testing.assert_array_equal(np.array(seen.values), np.array(truth[kind].values))
+    held = committed + [token]
+    got = drafter.propose(held, 6, GREEDY, no_history).tokens.tolist()
+    assert got == fresh.propose(held, 6, GREEDY, no_history).tokens.tolist()
 
 
 def test_a_thousand_rounds_keep_active_memory_flat(pair):

@@ -20,8 +20,9 @@ resumed conversation needs, and rejected drafts leave nothing of the drafter's t
 Drafts are sampled through the request's sampler, like a draft model's.
 
 A one-token step of the target writes its key over the oldest position of a full ring
-(``p - window`` once the step feeding ``c`` is queued), so after each target forward the
-drafter keeps that position's keys and values (one row, copied) for the next round.
+(``p - window`` once the step feeding ``c`` is queued), so after each target forward and each
+rollback (``settle``) the drafter keeps that position's keys and values (one row, copied) for
+the next round.
 
 The target's hidden states arrive through ``observe`` (every forward: prefill chunks, steps,
 verify blocks before their rollback); the last ``KEEP`` positions are kept, copied so that a
@@ -156,8 +157,11 @@ class AssistantDrafter:
         return seen  # (after a restore that kept no edge: the window less its oldest key)
 
     def settle(self, held: Sequence[int]) -> None:
-        """Forget the hidden states of rejected positions (the target recomputes them)."""
+        """Forget the hidden states of rejected positions (the target recomputes them); keep
+        the ring's oldest position as the rollback left it (the next one-token step
+        overwrites it, and the forward that wrote it ended elsewhere)."""
         self._drop_from(len(held))
+        self._keep_edge()
 
     def catch_up(self, held: Sequence[int]) -> None:
         self.settle(held)
