@@ -164,7 +164,7 @@ class Engine:
         """Load a store name, an HF folder or a .gguf file (None: the default model), and
         optionally a draft model for speculative decoding (same kinds of reference; without
         one, a stored model's paired draft unless ``speculation`` rules drafting models out)."""
-        from backend.weights.store import ModelStore
+        from backend.weights.store import ModelStore, draft_mismatch
 
         store = ModelStore()
         folder = store.resolve(model)
@@ -179,7 +179,7 @@ class Engine:
         draft_loaded = None
         if draft is not None:
             draft_folder = store.resolve(draft)
-            reason = tokenizer.vocabulary_mismatch(Tokenizer.from_folder(draft_folder))
+            reason = draft_mismatch(Path(folder), Path(draft_folder))
             if reason:
                 raise ModelLoadError(f"{Path(draft_folder).name} cannot draft for "
                                      f"{Path(folder).name}: {reason}")

@@ -415,3 +415,33 @@ def test_bench_rows_measure_and_the_tiny_pair_replies_as_plain(pair):
     equal, drafted, accepted = bench.same_tokens(pair["target"], pair["fitted"], pair["target"])
     assert equal and drafted > 0
     assert "same tokens as plain: yes" in bench.format_rows(costs, (equal, drafted, accepted))
+
+
+def test_an_assistant_shipped_without_a_tokenizer_pairs_by_its_vocabulary_size(
+        pair, capsys, monkeypatch, tmp_path):
+    """An assistant folder holding only its config and weights pairs with a target it fits
+    (vocabulary size, width, window, heads) and drafts; one for another window is refused in
+    one line."""
+    import shutil
+
+    from tests.test_cli import assert_one_line_error
+    from tests.test_model_pairing import arbor
+
+    monkeypatch.setenv("ARBOR_HOME", str(tmp_path / "home"))
+    bare = tmp_path / "bare-assistant"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(pair["fitted"] / name, bare / name)
+    engine = Engine.load(str(pair["target"]), cache=CacheConfig.memory_only(), draft=str(bare))
+    assert reply(engine, PROMPT, n=8)[2].drafter == "assistant"
+    code, _, err = arbor(capsys, "models", "import", str(pair["target"]), "--name", "g4",
+                         "--draft", str(bare))
+    assert code == 0, err
+    other = tmp_path / "other-window"
+    shutil.copytree(bare, other)
+    config = json.loads((other / "config.json").read_text())
+    config["text_config"]["sliding_window"] = 16
+    (other / "config.json").write_text(json.dumps(config))
+    code, _, err = arbor(capsys, "models", "import", str(pair["target"]), "--name", "g5",
+                         "--draft", str(other))
+    assert_one_line_error(code, err, "cannot draft for 'g5'", "sliding_window is 16")
