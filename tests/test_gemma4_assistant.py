@@ -375,6 +375,9 @@ def test_import_pairs_an_assistant_and_a_stored_target_drafts_with_it(
     assert "gemma4_assistant" in lines["tiny-assistant-fitted"]
     if bits:
         assert "4-bit" in lines["tiny-assistant-fitted"]
+    code, out, err = arbor(capsys, "models", "list", "--verbose")
+    assert code == 0, err
+    assert "cache per token: 0 bytes" in out  # the assistant keeps no caches
     engine = Engine.load("g4", cache=CacheConfig.memory_only())
     plain = Engine.load("g4", cache=CacheConfig.memory_only(), speculation="none")
     ids, logprobs, done, _ = reply(engine, PROMPT, n=24)
