@@ -59,6 +59,8 @@ from backend.models.state_size import state_bytes_per_token
 from backend.scheduler import Scheduler, Stream
 from backend.sequence import Sequence
 from backend.speculation.depth import DepthController
+from backend.models import gemma4_assistant
+from backend.speculation.assistant import AssistantDrafter
 from backend.speculation.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from backend.speculation.mtp import mtp_drafter
 from backend.speculation.profile import ProfileStore, measure_round_costs, profiled_costs
@@ -111,7 +113,8 @@ class Engine:
         """``draft``: a draft model with this tokenizer's vocabulary (``load`` checks it);
         ``speculation``: the drafter requests get by default ("auto": the draft model if there
         is one, else the checkpoint's multi-token-prediction head if it ships one, else prompt
-        lookup; "model", "mtp", "lookup", or "none" for plain decoding; the head's caches are
+        lookup; "model" (also a paired Gemma 4 assistant), "mtp", "lookup", or "none" for
+        plain decoding; the head's caches are
         kept only under "auto" and "mtp");
         ``draft_depth``: draft exactly this many tokens per round (None: the depth controller
         chooses, 0 .. MAX_DRAFT); ``max_batch``: most requests generating at once (the others
@@ -127,13 +130,19 @@ class Engine:
         self.prefill_chunk = prefill_chunk  # None: PREFILL_CHUNK
         self.cache_config = cache if cache is not None else CacheConfig.default()
         self.draft = draft
-        self._drafter_kind = ("model" if draft else
+        is_assistant = draft is not None and isinstance(draft.model, gemma4_assistant.Model)
+        if is_assistant:
+            reason = draft.model.check_target(self.model.args)
+            if reason:
+                raise ModelLoadError(f"{Path(draft.folder).name} cannot draft for {name}: "
+                                     f"{reason}")
+        self._drafter_kind = ("assistant" if is_assistant else "model" if draft else
                               "mtp" if speculation in ("auto", "mtp")
                               and self.model.draft_head() is not None else None)
-        first = self._new_drafter()
+        self.target_caches = self.model.make_caches()
+        first = self._new_drafter(self.target_caches)
         self.speculation = (first.kind if first else "lookup") \
             if speculation == "auto" else speculation
-        self.target_caches = self.model.make_caches()
         # The drafter's caches are live caches too: the prefix cache stores them alongside.
         self.caches = self.target_caches + (first.caches if first else [])
         self.drafter = first
@@ -158,16 +167,20 @@ class Engine:
                 total += state_bytes_per_token(loaded.config, loaded.dtype.size)
         return total
 
-    def _new_drafter(self) -> Drafter | None:
+    def _new_drafter(self, target_caches: list) -> Drafter | None:
+        """The drafter of a lane whose target caches are ``target_caches``."""
         if self._drafter_kind == "model":
             return ModelDrafter(self.draft.model, Path(self.draft.folder).name)
+        if self._drafter_kind == "assistant":
+            return AssistantDrafter(self.model, self.draft.model, target_caches,
+                                    Path(self.draft.folder).name)
         if self._drafter_kind == "mtp":
             return mtp_drafter(self.model)
         return None
 
     def _new_lane(self) -> Lane:
         target = self.model.make_caches()
-        drafter = self._new_drafter()
+        drafter = self._new_drafter(target)
         slot = self.prefix.new_slot(target + (drafter.caches if drafter else []))
         return Lane(target, drafter, slot)
 
@@ -181,18 +194,22 @@ class Engine:
         optionally a draft model for speculative decoding (same kinds of reference; without
         one, a stored model's paired draft unless ``speculation`` rules drafting models out).
         ``exact_prefill``: prefill in ``EXACT_PREFILL_CHUNK``-token chunks (cached == cold)."""
-        from backend.weights.store import ModelStore
+        from backend.weights.store import ModelStore, draft_mismatch
 
         store = ModelStore()
         folder = store.resolve(model)
         if draft is None and speculation in ("auto", "model"):
             draft = store.paired_draft(folder)  # a stored model's own draft (`models import`)
         loaded = load_model(folder, dtype)
+        if isinstance(loaded.model, gemma4_assistant.Model):
+            raise ModelLoadError(f"{Path(folder).name} is a Gemma 4 assistant: it drafts for "
+                                 f"its target (arbor models import TARGET --draft "
+                                 f"{Path(folder).name}) and cannot reply on its own")
         tokenizer = Tokenizer.from_folder(folder)
         draft_loaded = None
         if draft is not None:
             draft_folder = store.resolve(draft)
-            reason = tokenizer.vocabulary_mismatch(Tokenizer.from_folder(draft_folder))
+            reason = draft_mismatch(Path(folder), Path(draft_folder))
             if reason:
                 raise ModelLoadError(f"{Path(draft_folder).name} cannot draft for "
                                      f"{Path(folder).name}: {reason}")
@@ -207,9 +224,9 @@ class Engine:
         if config.directory is not None:
             memo = Path(config.directory) / "hashes.json"
             fingerprint = _fingerprint(self.loaded, memo)
-            if self.draft is not None:  # the stored states include the draft model's
+            if self._drafter_kind == "model":  # the stored states include the draft model's
                 fingerprint = f"{fingerprint}-{_fingerprint(self.draft, memo)[:12]}"
-            elif self.drafter is not None:  # ... or the MTP head's
+            elif self._drafter_kind == "mtp":  # ... or the MTP head's (an assistant has none)
                 fingerprint = f"{fingerprint}-{self.drafter.kind}"
             disk = DiskStore(Path(config.directory), fingerprint, io=config.disk_io,
                              retry=config.disk_retry or RetryPolicy())
@@ -419,7 +436,8 @@ class Engine:
     # -- speculation ---------------------------------------------------------------------------
     def _drafter_check(self, request: GenerateRequest) -> None:
         choice = request.draft if request.draft != "auto" else self.speculation
-        if choice in ("model", "mtp") and self._drafter_kind != choice:
+        paired = "model" if self._drafter_kind == "assistant" else self._drafter_kind
+        if choice in ("model", "mtp") and paired != choice:
             raise InvalidRequestError(
                 "no draft model is loaded: pair one with this model (the model manager, "
                 "or arbor models import --draft) or load one with --draft"
@@ -432,7 +450,7 @@ class Engine:
         choice = request.draft if request.draft != "auto" else self.speculation
         if choice == "none":
             return None
-        if choice in ("model", "mtp"):
+        if choice in ("model", "mtp", "assistant"):  # "model" names a paired assistant too
             return lane.drafter
         return PromptLookupDrafter()
 

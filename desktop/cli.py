@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("suite", nargs="?", choices=BENCH_SUITES, default="speed",
                        help="speed: prefill/decode per weight format; cache: many conversations "
                        "round-robin against arbor serve and mlx-lm's server, then a restart; "
-                       "spec: plain vs speculative decoding (prompt lookup, a 4-bit self draft); "
+                       "spec: plain vs speculative decoding (prompt lookup, a 4-bit self draft), "
+                       "and a random Gemma 4 assistant's draft and verify costs; "
                        "batch: 1..16 clients streaming at once against arbor serve and mlx-lm's "
                        "server, a long prompt arriving mid-stream, step cost per batch size")
     _model_args(bench)
@@ -405,11 +406,13 @@ def cmd_models(args: argparse.Namespace) -> int:
         from backend.speculation.kinds import available_drafters
 
         models = store.list()
-        names = {m.name for m in models}
+        kinds = {m.name: m.architecture for m in models}
         for m in models:
-            draft = "" if m.draft is None else f"  draft {m.draft}" + (
-                "" if m.draft in names else " (missing)")
-            drafters = ",".join(available_drafters(m.path, m.draft))
+            # A Gemma 4 assistant is paired like a draft model; the line says which it is.
+            kind = {None: " (missing)", "gemma4_assistant": " (assistant)"}.get(
+                kinds.get(m.draft), "")
+            draft = "" if m.draft is None else f"  draft {m.draft}{kind}"
+            drafters = ",".join(available_drafters(m.path, m.draft, kinds.get(m.draft)))
             print(f"{m.name:40} {m.architecture:12} {m.quantization or 'float':12} "
                   f"{m.size_bytes / 1e6:9.1f} MB  drafters {drafters:17}{draft}".rstrip())
             if args.verbose:
@@ -492,6 +495,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               against_mlx_lm=args.against == "mlx-lm",
                               log=lambda m: print(m, file=sys.stderr))
         print(bench_spec.format_table(rows, new_tokens))
+        from backend.bench import assistant as bench_assistant
+
+        costs, same = bench_assistant.run(work, work / f"{Path(source).name}-float32",
+                                          log=lambda m: print(m, file=sys.stderr))
+        print(bench_assistant.format_rows(costs, same))
         return 0
     args.new_tokens = args.new_tokens or 128
     hybrid = []

@@ -211,6 +211,14 @@ class KVCache(LazyKVStorage):
         return ContiguousHistory(self.keys[..., : self._offset, :],
                                  self.values[..., : self._offset, :], start, n)
 
+    def visible_keys(self, position: int) -> ContiguousHistory:
+        """The keys and values a query at stored ``position`` sees, itself included: positions
+        ``[0, position]`` (a drafter reading this layer's keys; nothing changes)."""
+        if not 0 <= position < self._offset:
+            raise ValueError(f"keys visible at {position} of a cache holding {self._offset}")
+        return ContiguousHistory(self.keys[..., :position + 1, :],
+                                 self.values[..., :position + 1, :], position, 1)
+
     def append(self, keys: mx.array, values: mx.array) -> None:
         """``update`` without the history views: afterwards the buffers ``self.keys`` /
         ``self.values`` hold positions ``0 .. offset - 1`` (a kernel reading the buffers in

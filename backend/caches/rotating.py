@@ -159,6 +159,19 @@ class RotatingKVCache(LazyKVStorage):
         keys, values = self._view(self._lo, self._offset)  # logical order, one copy if wrapped
         return ContiguousHistory(keys, values, start, n, key_start=self._lo)
 
+    def visible_keys(self, position: int) -> ContiguousHistory:
+        """The keys and values a query at stored ``position`` sees, itself included, as far as
+        they are still stored: ``[max(position - window + 1, lo), position]`` in logical order
+        (``key_start`` says where they begin; a drafter reading this layer's keys; nothing
+        changes). A single-token write overwrites the window's oldest position: a reader that
+        needs it keeps it from before (``speculation/assistant.py``)."""
+        if not self._lo <= position < self._offset:
+            raise ValueError(f"keys visible at {position} of a window holding "
+                             f"[{self._lo}, {self._offset})")
+        lo = max(self._window_start(position), self._lo)
+        keys, values = self._view(lo, position + 1)
+        return ContiguousHistory(keys, values, position, 1, key_start=lo)
+
     # -- snapshots -----------------------------------------------------------------------------
     def _new_snapshot(self, start: int, end: int) -> RotatingSnapshot:
         return RotatingSnapshot(self, start, end, self._window_start(end))

@@ -12,13 +12,20 @@ from pathlib import Path
 from typing import Any
 
 from backend.errors import ConfigError, UnknownArchitectureError
-from backend.models import gemma3, gemma4, glm4_moe_lite, llama, qwen3_5, qwen3_moe, qwen3_next
+from backend.models import (gemma3, gemma4, gemma4_assistant, glm4_moe_lite, llama, qwen3_5,
+                            qwen3_moe, qwen3_next)
 from backend.models.base import Architecture, ModelConfig
 
 ARCHITECTURES: dict[str, Architecture] = {
     name: module
     for module in (llama, gemma3, gemma4, qwen3_moe, qwen3_next, qwen3_5, glm4_moe_lite)
     for name in module.MODEL_TYPES
+}
+
+#: Checkpoints that only draft beside a target they are paired with (``Model.drafts_for_target``):
+#: loaded and stored like models, never chatted with.
+DRAFTER_ARCHITECTURES: dict[str, Any] = {
+    name: module for module in (gemma4_assistant,) for name in module.MODEL_TYPES
 }
 
 
@@ -30,11 +37,12 @@ def architecture_args(config: Mapping[str, Any], source: Path) -> tuple[Architec
     for a model_type without an implementation, ``ConfigError`` for a bad value.
     """
     model_type = config.get("model_type")
-    module = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
+    known = {**ARCHITECTURES, **DRAFTER_ARCHITECTURES}
+    module = known.get(model_type) if isinstance(model_type, str) else None
     if module is None:
         raise UnknownArchitectureError(
             f"{source}: unknown architecture model_type={model_type!r} "
-            f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+            f"(supported: {', '.join(sorted(known))})")
     try:
         return module, module.ModelArgs.from_config(dict(config))
     except ConfigError as exc:

@@ -434,6 +434,15 @@ class Model(DecoderModel):
         return [RotatingKVCache(self.args.sliding_window) if layer.is_sliding else KVCache()
                 for layer in self.model.layers if layer.cache_slot is not None]
 
+    def shared_key_caches(self, caches: list[Cache]) -> dict[str, Cache]:
+        """Of this model's ``caches`` (``make_caches``), the one of the last layer computing its
+        own keys and values per attention type: what the Gemma 4 assistant reads."""
+        last: dict[str, Cache] = {}
+        for layer in self.model.layers:
+            if layer.cache_slot is not None:
+                last[SLIDING if layer.is_sliding else FULL] = caches[layer.cache_slot]
+        return last
+
     def parameter_name(self, checkpoint_name: str) -> str | None:
         return multimodal_text_name(checkpoint_name, _OTHER_MODALITIES)
 

@@ -58,6 +58,7 @@ VALUES_PER_TOKEN: dict[str, Callable[[Any], int]] = {
     "glm4_moe_lite": _latent,
     "gemma4_text": _gemma4,
     "gemma4": _gemma4,
+    "gemma4_assistant": lambda args: 0,  # it reads its target's caches, keeps none
 }
 
 

@@ -5,6 +5,7 @@ kind adds its own test here:
 
 * ``lookup``: prompt lookup, always (it needs nothing but the context);
 * ``model``: a draft model is paired with it (``arbor models import --draft``);
+* ``assistant``: the paired draft is a Gemma 4 assistant (``speculation/assistant.py``);
 * ``mtp``: the checkpoint ships a multi-token-prediction head (``mtp.*`` tensors) in a family
   whose head Arbor runs (``speculation/mtp.py``).
 """
@@ -31,12 +32,13 @@ def ships_mtp_head(folder: Path) -> bool:
         return False
 
 
-def available_drafters(folder: Path, paired_draft: str | None) -> tuple[str, ...]:
+def available_drafters(folder: Path, paired_draft: str | None,
+                       draft_architecture: str | None = None) -> tuple[str, ...]:
     """The drafter kinds of a stored model, in the order "auto" prefers them last to first
-    (lookup, then model, then mtp)."""
+    (lookup, then model or assistant, then mtp); ``draft_architecture``: the paired draft's."""
     kinds = ["lookup"]
     if paired_draft is not None:
-        kinds.append("model")
+        kinds.append("assistant" if draft_architecture == "gemma4_assistant" else "model")
     if ships_mtp_head(Path(folder)):
         kinds.append("mtp")
     return tuple(kinds)

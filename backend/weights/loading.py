@@ -203,7 +203,12 @@ def check_weights(model: LanguageModel, weights: dict[str, mx.array],
         if packed and value.dtype != mx.uint32:
             raise CheckpointError(f"tensor {name} has dtype {_dtype_name(value)}, quantized "
                                   "weights are packed uint32")
-        if not packed and not mx.issubdtype(value.dtype, mx.floating):
+        if not packed and name in parameters and \
+                mx.issubdtype(parameters[name].dtype, mx.integer):  # ids (a lookup table)
+            if not mx.issubdtype(value.dtype, mx.integer):
+                raise CheckpointError(f"tensor {name} has dtype {_dtype_name(value)}, expected "
+                                      "integer ids")
+        elif not packed and not mx.issubdtype(value.dtype, mx.floating):
             raise CheckpointError(f"tensor {name} has dtype {_dtype_name(value)}, expected "
                                   "a floating-point type")
 

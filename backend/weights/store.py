@@ -390,15 +390,14 @@ class ModelStore:
     def pair(self, name: str, draft: str) -> StoredModel:
         """Pair the stored model ``draft`` with ``name`` as its draft model (replacing an earlier
         pairing): ``Engine.load(name)`` then drafts with it unless told otherwise. A draft must
-        have the model's vocabulary, id for id (``ModelLoadError`` naming the first difference
-        otherwise, nothing written)."""
-        from backend.tokenizer import Tokenizer
+        have the model's vocabulary, id for id, and a Gemma 4 assistant fit its target
+        (``draft_mismatch``; ``ModelLoadError`` naming the first difference otherwise, nothing
+        written)."""
 
         target, helper = self.get(name), self.get(draft)
         if target.name == helper.name:
             raise ModelLoadError(f"{name!r} cannot be its own draft")
-        reason = Tokenizer.from_folder(target.path).vocabulary_mismatch(
-            Tokenizer.from_folder(helper.path))
+        reason = draft_mismatch(target.path, helper.path)
         if reason:
             raise ModelLoadError(f"{draft!r} cannot draft for {name!r}: {reason}")
         staged = target.path / f".{PAIRING_FILE}.{os.getpid()}"
@@ -629,3 +628,21 @@ __all__ = [
     "read_pairing",
     "weight_files",
 ]
+
+
+def draft_mismatch(target: Path, draft: Path) -> str | None:
+    """Why the model in folder ``draft`` cannot draft for the one in ``target`` (None: it can):
+    the same vocabulary, id for id; a Gemma 4 assistant must also fit its target
+    (``gemma4_assistant.target_mismatch``), and one shipped without a tokenizer is held to the
+    target's vocabulary size only."""
+    from backend.models import architecture_args, gemma4_assistant
+    from backend.tokenizer import Tokenizer
+
+    module, args = architecture_args(read_config(draft), draft / "config.json")
+    reason = None
+    if module is gemma4_assistant:
+        _, target_args = architecture_args(read_config(target), target / "config.json")
+        reason = gemma4_assistant.target_mismatch(args, target_args)
+        if reason or not (draft / "tokenizer.json").is_file():
+            return reason
+    return Tokenizer.from_folder(target).vocabulary_mismatch(Tokenizer.from_folder(draft))
