@@ -39,6 +39,8 @@ class GatedEngine:
         self.texts: list[str] = []
         self.requests: list[GenerateRequest] = []
         self.prefetched_while: list[int] = []  # per prefetch, how many replies were generating
+        self.prefetch_gate = threading.Event()
+        self.prefetch_gate.set()
 
     @property
     def info(self) -> ModelInfo:
@@ -68,7 +70,13 @@ class GatedEngine:
             return self.waiting and self._allowance == 0
 
     def prefetch(self, *args, **kwargs) -> int:
+        """The real prefetch, once ``prefetch_gate`` is set (a test clears it to make a prefetch
+        as slow as a cold disk) or the prefetch is cancelled."""
         self.prefetched_while.append(self._engine.activity()[0])
+        cancel = kwargs.get("cancel")
+        while not self.prefetch_gate.wait(_CANCEL_POLL_S):
+            if cancel is not None and cancel.is_set():
+                break
         return self._engine.prefetch(*args, **kwargs)
 
     def submit(self, request: GenerateRequest, cancel: threading.Event | None = None):

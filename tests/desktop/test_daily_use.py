@@ -326,11 +326,14 @@ def test_a_chat_whose_state_is_warming_up_says_so_in_the_sidebar(qtbot, open_app
     seen: list[str] = []  # chat B's sidebar states, in the order they were shown
     w.conversations.dataChanged.connect(
         lambda *_: (row_activity(w, b) or "") not in seen[-1:] and seen.append(row_activity(w, b) or ""))
-    # Opening B queues its prefetch behind A's reply: a while later, B's row says so.
+    # Opening B prefetches its state between A's steps; held here like a slow disk read, it
+    # shows in B's row a while later.
+    parts.engine.prefetch_gate.clear()
     w.open_conversation(b)
     assert row_activity(w, b) == ""  # not at once: most prefetches end before it is worth a repaint
     qtbot.waitUntil(lambda: row_activity(w, b) == "prefetching", timeout=5000)
     assert row_activity(w, a) == "generating"
+    parts.engine.prefetch_gate.set()
     parts.engine.open()
     qtbot.waitUntil(lambda: idle(w) and not w.controller.active_conversations(), timeout=30000)
     assert row_activity(w, b) == "" and seen[-2:] == ["prefetching", ""]
