@@ -73,11 +73,16 @@ sys.exit(f() is None)'
 install_python_deps() {
   local extras=$1 stamp="$venv/.arbor-deps-$1"
   local want
-  want=$({ sha256sum pyproject.toml 2>/dev/null || shasum -a 256 pyproject.toml; } | cut -c1-16)
+  want=$({ cat pyproject.toml packaging/test-references.txt | sha256sum 2>/dev/null \
+           || cat pyproject.toml packaging/test-references.txt | shasum -a 256; } | cut -c1-16)
   [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && return 0
   "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
   # The build also fetches the default model's GGUF (packaging/arbor_build.py).
   "$venv/bin/python" -m pip install -q -e ".$extras"
+  if [ "$extras" = "[test]" ]; then
+    # The drafters' reference implementations, without their own dependencies (see the file).
+    "$venv/bin/python" -m pip install -q --no-deps -r packaging/test-references.txt
+  fi
   echo "$want" > "$stamp"
 }
 

@@ -1,5 +1,6 @@
-"""MTPDrafter: drafts with the multi-token-prediction head the checkpoint ships (Qwen3-Next
-``mtp.*``, ``models/qwen3_next.MTPHead``).
+"""MTPDrafter: drafts with the multi-token-prediction head the checkpoint ships (``mtp.*`` of
+Qwen3-Next and of Qwen3.5 / Qwen3.6, dense and MoE: one ``models/qwen3_next.MTPHead`` for all,
+reached through ``model.draft_head()`` / ``draft_hidden()``, so nothing here is per family).
 
 The head predicts the token after next: from token t + 1 and the target's hidden state at t it
 gives the distribution of token t + 2, scored by the target's own ``lm_head``. So the pairs it
