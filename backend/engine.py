@@ -49,9 +49,12 @@ from backend.memory.budgets import CacheBudgets, CacheConfig
 from backend.memory.disk import DiskStore, RetryPolicy
 from backend.memory.fingerprint import model_fingerprint
 from backend.memory.prefix_cache import PrefixCache
+from backend.models.dflash import Model as DFlashModel
+from backend.models.dflash import is_dflash_folder
 from backend.scheduler import Scheduler, Stream
 from backend.sequence import Sequence
 from backend.speculation.depth import DepthController
+from backend.speculation.dflash import DFlashDrafter
 from backend.speculation.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from backend.speculation.mtp import mtp_drafter
 from backend.tokenizer import Tokenizer
@@ -61,7 +64,7 @@ from backend.weights.quantize import describe_quantization
 
 PREFILL_CHUNK = 2048
 MAX_DRAFT = 8  # most draft tokens per verify round (verify blocks of up to 16 are exact)
-SPECULATION_CHOICES = ("auto", "model", "mtp", "lookup", "none")
+SPECULATION_CHOICES = ("auto", "model", "mtp", "dflash", "lookup", "none")
 
 Event = TokenEvent | DoneEvent
 
@@ -93,11 +96,12 @@ class Engine:
                  cache: CacheConfig | None = None, prefill_chunk: int | None = None,
                  draft: LoadedModel | None = None, speculation: str = "auto",
                  draft_depth: int | None = None, max_batch: int = 1) -> None:
-        """``draft``: a draft model with this tokenizer's vocabulary (``load`` checks it);
-        ``speculation``: the drafter requests get by default ("auto": the draft model if there
-        is one, else the checkpoint's multi-token-prediction head if it ships one, else prompt
-        lookup; "model", "mtp", "lookup", or "none" for plain decoding; the head's caches are
-        kept only under "auto" and "mtp");
+        """``draft``: a draft model with this tokenizer's vocabulary, or a DFlash block drafter
+        for this model (``load`` checks either);
+        ``speculation``: the drafter requests get by default ("auto": the draft if there is
+        one, else the checkpoint's multi-token-prediction head if it ships one, else prompt
+        lookup; "model", "mtp", "dflash", "lookup", or "none" for plain decoding; the head's
+        caches are kept only under "auto" and "mtp");
         ``draft_depth``: draft exactly this many tokens per round (None: the depth controller
         chooses, 0 .. MAX_DRAFT); ``max_batch``: most requests generating at once (the others
         wait their turn)."""
@@ -110,9 +114,12 @@ class Engine:
         self.prefill_chunk = prefill_chunk  # None: PREFILL_CHUNK
         self.cache_config = cache if cache is not None else CacheConfig.default()
         self.draft = draft
-        self._drafter_kind = ("model" if draft else
+        self._drafter_kind = (("dflash" if isinstance(draft.model, DFlashModel) else "model")
+                              if draft else
                               "mtp" if speculation in ("auto", "mtp")
                               and self.model.draft_head() is not None else None)
+        if self._drafter_kind == "dflash":  # every forward keeps what the drafter reads
+            self.model.model.capture(draft.model.args.target_layer_ids)
         first = self._new_drafter()
         self.speculation = (first.kind if first else "lookup") \
             if speculation == "auto" else speculation
@@ -124,8 +131,10 @@ class Engine:
         self._controllers: dict[str, DepthController] = {}
         self.draft_depth = draft_depth
         self.lanes = [Lane(self.target_caches, first, self.prefix.slots[0])]
+        features = (lambda: self.model.model.captured) if self._drafter_kind == "dflash" \
+            else (lambda: None)
         self.scheduler = Scheduler(self.lanes, self._new_lane, max_batch, self.model.hidden,
-                                   self.model.logits, self.prefix.choose_slot)
+                                   self.model.logits, self.prefix.choose_slot, features)
         self._lock = threading.RLock()  # guards the scheduler and the prefix cache
         # MLX's streams belong to a thread: the first thread that steps runs every step.
         self._owner: threading.Thread | None = None
@@ -135,6 +144,8 @@ class Engine:
             return ModelDrafter(self.draft.model, Path(self.draft.folder).name)
         if self._drafter_kind == "mtp":
             return mtp_drafter(self.model)
+        if self._drafter_kind == "dflash":
+            return DFlashDrafter(self.model, self.draft.model)
         return None
 
     def _new_lane(self) -> Lane:
@@ -162,11 +173,15 @@ class Engine:
         draft_loaded = None
         if draft is not None:
             draft_folder = store.resolve(draft)
-            reason = tokenizer.vocabulary_mismatch(Tokenizer.from_folder(draft_folder))
+            if is_dflash_folder(draft_folder):  # a block drafter: no tokenizer of its own
+                draft_loaded = load_model(draft_folder, dtype)
+                reason = draft_loaded.model.check_target(loaded.model)
+            else:
+                reason = tokenizer.vocabulary_mismatch(Tokenizer.from_folder(draft_folder))
             if reason:
                 raise ModelLoadError(f"{Path(draft_folder).name} cannot draft for "
                                      f"{Path(folder).name}: {reason}")
-            draft_loaded = load_model(draft_folder, dtype)
+            draft_loaded = draft_loaded or load_model(draft_folder, dtype)
         return cls(loaded, tokenizer, Path(folder).name, cache, prefill_chunk, draft_loaded,
                    speculation, draft_depth, max_batch)
 
@@ -335,26 +350,29 @@ class Engine:
     # -- speculation ---------------------------------------------------------------------------
     def _drafter_check(self, request: GenerateRequest) -> None:
         choice = request.draft if request.draft != "auto" else self.speculation
-        if choice in ("model", "mtp") and self._drafter_kind != choice:
+        kinds = {"model": ("model", "dflash"), "mtp": ("mtp",), "dflash": ("dflash",)}
+        if choice in kinds and self._drafter_kind not in kinds[choice]:
             raise InvalidRequestError(
-                "no draft model is loaded: pair one with this model (the model manager, "
-                "or arbor models import --draft) or load one with --draft"
-                if choice == "model" else
                 "no multi-token-prediction head is in use (the checkpoint ships none, or "
-                "the engine was loaded with a draft model or without speculation)")
+                "the engine was loaded with a draft model or without speculation)"
+                if choice == "mtp" else
+                f"no {'DFlash block drafter' if choice == 'dflash' else 'draft model'} is "
+                "loaded: pair one with this model (the model manager, or arbor models import "
+                "--draft) or load one with --draft")
 
     def drafter_for(self, request: GenerateRequest, lane: Lane) -> Drafter | None:
         """The drafter this request drafts with on ``lane`` (None: plain decoding)."""
         choice = request.draft if request.draft != "auto" else self.speculation
         if choice == "none":
             return None
-        if choice in ("model", "mtp"):
+        if choice in ("model", "mtp", "dflash"):
             return lane.drafter
         return PromptLookupDrafter()
 
     def depth(self, kind: str) -> DepthController:
         """One controller per drafter kind, kept across requests (costs and acceptance)."""
         if kind not in self._controllers:
-            self._controllers[kind] = DepthController(max_depth=MAX_DRAFT,
-                                                      fixed=self.draft_depth)
+            # A block drafter proposes up to a block in one forward: its depths go further.
+            most = self.lanes[0].drafter.max_drafts if kind == "dflash" else MAX_DRAFT
+            self._controllers[kind] = DepthController(max_depth=most, fixed=self.draft_depth)
         return self._controllers[kind]

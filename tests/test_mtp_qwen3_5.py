@@ -21,6 +21,7 @@ rejections all happen, and on other prompts nearly every draft is rejected.
 from __future__ import annotations
 
 import random
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -139,21 +140,22 @@ def block_outcomes(flags: list[bool], rounds: int, depth: int) -> set[str]:
     return seen
 
 
-def resumed(folder, tier: str, tmp_path, prompt: list[int], follow: list[int], depth: int):
-    """An engine at ``depth`` whose next reply to ``follow`` resumes the turn ``prompt`` from
+def resumed(load: Callable[[CacheConfig], Engine], tier: str, tmp_path,
+            prompt: list[int]) -> Engine:
+    """An engine (``load(cache config)``) whose next reply resumes the turn ``prompt`` from
     ``tier``: that first turn, then (device, host) another conversation taking the live caches
     or (disk) a restart."""
     budgets = {"device": CacheBudgets(64 * MIB, 0, 0), "host": CacheBudgets(0, 64 * MIB, 0),
                "disk": CacheBudgets(0, 0, 64 * MIB)}
     config = CacheConfig.memory_only() if tier == "live" else CacheConfig(
         budgets[tier], tmp_path / tier if tier == "disk" else None)
-    engine = Engine.load(str(folder), cache=config, draft_depth=depth)
+    engine = load(config)
     reply(engine, prompt, n=10)
     if tier in ("device", "host"):
         reply(engine, OTHER_PROMPT, n=3)
     elif tier == "disk":
         engine.close()
-        engine = Engine.load(str(folder), cache=config, draft_depth=depth)
+        engine = load(config)
     return engine
 
 
@@ -184,7 +186,9 @@ def test_speculative_replies_equal_plain_ones_from_every_tier(family, fitted, tm
     follow = FIT_PROMPT + want(FIT_PROMPT, 32)[0][:12]
     for tier in ("live", "device", "host", "disk"):
         for depth in (1, 3, 8):
-            engine = resumed(folder, tier, tmp_path / f"{depth}", FIT_PROMPT, follow, depth)
+            engine = resumed(lambda config: Engine.load(str(folder), cache=config,
+                                                        draft_depth=depth),
+                             tier, tmp_path / f"{depth}", FIT_PROMPT)
             ids, logprobs, done, _ = reply(engine, follow, n=16)
             assert done.cached_by_tier.get(tier, 0) > 0, (tier, done.cached_by_tier)
             assert done.accepted_tokens > 0 and done.drafter == "mtp"

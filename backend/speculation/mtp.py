@@ -46,9 +46,10 @@ from backend.speculation.drafters import Draft, History, sample_chain
 FLUSH_TOKENS = 256
 
 
-class _Observed:
-    """Target forwards not yet consumed by the head: ``(start, tokens (n,), hidden (1, n, H))``
-    segments in position order."""
+class Observed:
+    """Target forwards not yet consumed by a drafter that reads the target's states (this
+    head, ``dflash.DFlashDrafter``): ``(start, tokens (n,), states (1, n, H))`` segments in
+    position order."""
 
     def __init__(self) -> None:
         self.segments: list[tuple[int, mx.array, mx.array]] = []
@@ -101,7 +102,7 @@ class _Observed:
             hiddens.append(hidden[:, a:b])
             at = start + b
         if at != hi:
-            raise RuntimeError(f"the MTP head needs the target's hidden states of positions "
+            raise RuntimeError(f"the drafter needs the target's states of positions "
                                f"[{lo}, {hi}) but was told only up to {at}")
         if len(tokens) == 1:
             return tokens[0], hiddens[0]
@@ -121,7 +122,7 @@ class MTPDrafter:
         self.head_caches: list[Cache] = self.head.make_caches()
         self.carry = RecurrentCache()
         self.caches: list[Cache] = [*self.head_caches, self.carry]
-        self._observed = _Observed()
+        self._observed = Observed()
         self._lead = 0  # see ``paired``
 
     @property
@@ -231,7 +232,7 @@ class MTPDrafter:
     def close(self) -> None:
         for cache in self.caches:
             cache.free()
-        self._observed = _Observed()
+        self._observed = Observed()
         self._lead = 0
 
 

@@ -1,0 +1,214 @@
+"""DFlash block drafts for Qwen3.5 / Qwen3.6 targets.
+
+The tiny drafter (tests/fixtures/fitted_drafters.py: the published layout, two layers reading
+the target's layers 0 and 2, blocks of 16) is made with mlx-vlm's ``DFlashDraftModel`` and
+fitted to the tiny target's greedy choices along ``FIT_PROMPT``, so on that prompt whole blocks,
+partial blocks and rejections happen, elsewhere mostly rejections.
+
+1. Same inputs, same drafts: given the same captured target states and tokens, over two rounds
+   (the context growing between them), Arbor's block drafts the reference's greedy tokens and
+   its per-position distributions equal the reference's within ``REFERENCE_TOLERANCE``.
+2. Greedy identity at depths 1..15 (a block of 16 with its anchor; verify blocks stay within
+   the 16 row-invariant rows), fresh and resumed from each prefix-cache tier; the sampled
+   distribution test for block drafts (chi-square and TV against the target's own
+   distribution), which a broken residual or keeping every draft fails.
+3. After rejected rounds every cache (the target's, the drafter's context) equals a fresh
+   prefill's.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from backend.api import SamplingParams
+from backend.engine import Engine
+from backend.memory.budgets import CacheConfig
+from backend.sampling import Sampler
+from backend.speculation import acceptance
+from backend.speculation.dflash import DFlashDrafter
+from backend.weights.loading import load_model
+from tests.fixtures.fitted_drafters import (DFLASH_BLOCK, FIT_PROMPT, fitted_dflash_checkpoint,
+                                            greedy_path, reference_dflash)
+from tests.test_mtp_qwen3_5 import (EXACT_CHUNK, OTHER_PROMPT, block_outcomes, cache_contents,
+                                    resumed)
+from tests.test_speculative import reply
+from tests.test_speculative_distribution import (_accept_everything, _reject_to_target,
+                                                 assert_matches, chi_square_p)
+
+REFERENCE_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir, tmp_path_factory):
+    """(target folder, fitted drafter folder)."""
+    target = tiny_model_dir("qwen3_5")
+    return target, fitted_dflash_checkpoint(target, tmp_path_factory.mktemp("dflash") / "d")
+
+
+def test_blocks_equal_the_reference(pair):
+    target_folder, folder = pair
+    model = load_model(target_folder, dtype="float32", cpu_kernels=False).model
+    draft = load_model(folder, dtype="float32", cpu_kernels=False).model
+    model.model.capture(draft.args.target_layer_ids)
+    path, _ = greedy_path(target_folder, FIT_PROMPT, 30)
+    ids = FIT_PROMPT + path
+    model.hidden(mx.array([ids]), model.make_caches())
+    features = model.model.captured
+    worst = 0.0
+    for first, second in ((len(FIT_PROMPT), len(FIT_PROMPT) + 6), (9, 10), (20, 31)):
+        reference = reference_dflash(folder, target_folder)
+        reference_caches = reference.make_cache()
+        drafter = DFlashDrafter(model, draft)
+        start = 0
+        for anchor in (first, second):
+            n = DFLASH_BLOCK - 1
+            seen = []
+
+            def record(logits: mx.array) -> mx.array:
+                seen.append(logits[0])
+                return mx.argmax(logits, axis=-1)
+
+            want = reference.draft_block(ids[anchor], features[:, start:anchor],
+                                         reference_caches, n + 1, record)[0].tolist()
+            drafter.observe(start, mx.array(ids[start:anchor]), features[:, start:anchor])
+            start = anchor
+            greedy = drafter.propose(ids[:anchor + 1], n, Sampler(SamplingParams()),
+                                     lambda drafts: None)
+            assert greedy.tokens.tolist() == want, f"anchor {anchor}"
+            sampled = drafter.propose(ids[:anchor + 1], n, Sampler(SamplingParams(
+                temperature=1.0, seed=anchor)), lambda drafts: None)
+            expect = np.array(seen[0] - mx.logsumexp(seen[0], axis=-1, keepdims=True))
+            diff = float(np.abs(np.array(sampled.logprobs) - expect).max())
+            worst = max(worst, diff)
+            assert diff < REFERENCE_TOLERANCE, f"anchor {anchor}"
+            drafter.settle(ids[:anchor + 1])
+    print(f"worst log-probability difference {worst:.2e}")
+
+
+# -- 2. greedy identity -------------------------------------------------------------------------
+
+def test_speculative_replies_equal_plain_ones_at_every_depth_and_tier(pair, tmp_path):
+    target, folder = pair
+    plain = Engine.load(str(target), cache=CacheConfig.memory_only(), speculation="none")
+    expected = {}
+
+    def want(prompt, n):
+        if (tuple(prompt), n) not in expected:
+            expected[tuple(prompt), n] = reply(plain, prompt, n=n)[:2]
+        return expected[tuple(prompt), n]
+
+    outcomes: set[str] = set()
+    for depth in range(1, DFLASH_BLOCK):
+        engine = Engine.load(str(target), cache=CacheConfig.memory_only(), draft=str(folder),
+                             draft_depth=depth)
+        assert engine.speculation == "dflash"
+        for prompt in (FIT_PROMPT, OTHER_PROMPT):
+            ids, logprobs, done, flags = reply(engine, prompt, n=32)
+            assert (ids, logprobs) == want(prompt, 32), f"depth {depth}"
+            assert done.drafter == "dflash" and sum(flags) == done.accepted_tokens
+            assert done.drafted_tokens <= depth * done.draft_rounds
+            outcomes |= block_outcomes(flags, done.draft_rounds, depth)
+        engine.close()
+    assert outcomes == {"whole", "partial", "none"}, outcomes
+    follow = FIT_PROMPT + want(FIT_PROMPT, 32)[0][:12]  # the next turn stays on the fitted path
+    for tier in ("live", "device", "host", "disk"):
+        for depth in (1, 7, 15):
+            engine = resumed(lambda config: Engine.load(str(target), cache=config,
+                                                        draft=str(folder), draft_depth=depth),
+                             tier, tmp_path / f"{depth}", FIT_PROMPT)
+            ids, logprobs, done, _ = reply(engine, follow, n=16)
+            assert done.cached_by_tier.get(tier, 0) > 0, (tier, done.cached_by_tier)
+            assert done.accepted_tokens > 0 and done.drafter == "dflash"
+            assert (ids, logprobs) == want(follow, 16), f"{tier}, depth {depth}"
+            engine.close()
+
+
+def test_rejected_rounds_leave_every_cache_as_a_fresh_prefill(pair):
+    """The target's layers rolled back after each rejected block, the drafter's context
+    caches (never written past the committed ids): all equal one prefill of the same ids."""
+    target, folder = pair
+    engine = Engine.load(str(target), cache=CacheConfig.memory_only(), draft=str(folder),
+                         prefill_chunk=EXACT_CHUNK, draft_depth=6)
+    ids, _, done, _ = reply(engine, FIT_PROMPT, n=30)
+    assert 0 < done.accepted_tokens < done.drafted_tokens
+    follow = FIT_PROMPT + ids + [44, 45, 46]
+    ids2, _, done, _ = reply(engine, follow, n=20)
+    assert done.cached_tokens > len(FIT_PROMPT) and done.accepted_tokens < done.drafted_tokens
+    held = list(engine.prefix.live)
+    assert len(held) == len(follow) + len(ids2) - 1
+    fresh = Engine.load(str(target), cache=CacheConfig.memory_only(), draft=str(folder),
+                        prefill_chunk=EXACT_CHUNK)
+    reply(fresh, held, n=1, draft="none")  # prefills exactly ``held``
+    assert list(fresh.prefix.live) == held
+    assert len(engine.caches) == len(engine.target_caches) + 2  # two drafter layers
+    for i, (got, want) in enumerate(zip(engine.caches, fresh.caches, strict=True)):
+        assert got.offset == want.offset == len(held), i
+        for a, b in zip(cache_contents(got), cache_contents(want), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=f"cache {i}")
+
+
+# -- 2b. sampled block drafts keep the target's distribution ------------------------------------
+
+SAMPLED = SamplingParams(temperature=1.0, top_k=6)
+TRIALS = 20_000
+
+
+def block_trials(pair, rule=None, seed: int = 0):
+    """Verify rounds of a real block's first two drafts off the fitted path (where drafter and
+    target disagree): the block's distributions q_0, q_1 from the drafter, the target's p_0 after
+    the context and p_1 after each possible first token, judged ``TRIALS`` times. Returns the
+    committed first tokens' counts with p_0, and the second tokens' counts after the most
+    frequent accepted first token with p_1 there."""
+    target_folder, folder = pair
+    model = load_model(target_folder, dtype="float32", cpu_kernels=False).model
+    draft = load_model(folder, dtype="float32", cpu_kernels=False).model
+    model.model.capture(draft.args.target_layer_ids)
+    context = OTHER_PROMPT
+    hidden = model.hidden(mx.array([context]), model.make_caches())
+    sampler = Sampler(SamplingParams(**{**SAMPLED.__dict__, "seed": seed}))
+    c = int(mx.argmax(model.logits(hidden[:, -1:])[0, -1]))
+    drafter = DFlashDrafter(model, draft)
+    drafter.observe(0, mx.array(context), model.model.captured)
+    block = drafter.propose(context + [c], 2, sampler, lambda drafts: None)
+    q = block.logprobs  # (2, V): fixed for the context, whatever was drawn
+    q_dists = sampler.distributions(q, [None, None])  # already filtered: sampling them again
+    target_row = lambda ids: model.logits(model.hidden(mx.array([ids]),  # noqa: E731
+                                                       model.make_caches())[:, -1:])[0]
+    p0 = sampler.distributions(target_row(context + [c]), [None])[0]
+    support = [int(t) for t in np.nonzero(np.array(p0.probs()))[0]]
+    p1 = {x: sampler.distributions(target_row(context + [c, x]), [None])[0] for x in support}
+    first = np.zeros(q.shape[1], np.int64)
+    second: dict[int, np.ndarray] = {x: np.zeros(q.shape[1], np.int64) for x in support}
+    judge = rule or acceptance.judge
+    for _ in range(TRIALS):
+        drafts = mx.stack([q_dists[0].sample(), q_dists[1].sample()]).astype(mx.int32)
+        d0 = int(drafts[0].item())
+        verdict = judge([p0, p1.get(d0, p0), p0], drafts, q, sampler)
+        accepted, nxt = int(verdict.accepted.item()), int(verdict.next_token.item())
+        committed = drafts.tolist()[:accepted] + [nxt]
+        first[committed[0]] += 1
+        if accepted >= 1 and committed[0] in second:  # (a wrong rule may keep any draft)
+            second[committed[0]][committed[1]] += 1
+    x = max(second, key=lambda k: second[k].sum())
+    assert second[x].sum() > 2_000
+    return (first, np.array(p0.probs(), np.float64)), (second[x], np.array(p1[x].probs(),
+                                                                            np.float64))
+
+
+def test_sampled_block_drafts_keep_the_target_distribution(pair):
+    """The first committed token over all trials (chi-square p > 1e-3, TV < 0.01); the second
+    after the most frequent accepted first token, a few thousand trials (p > 1e-3, and TV within
+    what that many samples of six tokens stray: < 0.05)."""
+    (first, p0), (second, p1) = block_trials(pair)
+    assert_matches(first[None], p0[None], positions=1)
+    tv = 0.5 * np.abs(second / second.sum() - p1).sum()
+    assert chi_square_p(second, p1) > 1e-3 and tv < 0.05, tv
+
+
+@pytest.mark.parametrize("rule", [_reject_to_target, _accept_everything])
+def test_a_broken_residual_or_keeping_every_draft_fails_it(pair, rule):
+    (counts, probs), _ = block_trials(pair, rule)
+    with pytest.raises(AssertionError, match="position 0|outside the target's support"):
+        assert_matches(counts[None], probs[None], positions=1)
