@@ -212,3 +212,40 @@ def test_a_broken_residual_or_keeping_every_draft_fails_it(pair, rule):
     (counts, probs), _ = block_trials(pair, rule)
     with pytest.raises(AssertionError, match="position 0|outside the target's support"):
         assert_matches(counts[None], probs[None], positions=1)
+
+
+# -- pairing ------------------------------------------------------------------------------------
+
+def test_models_import_pairs_a_dflash_drafter(pair, tmp_path, capsys):
+    """``arbor models import TARGET --draft DFLASH``: the drafter (no tokenizer of its own) is
+    stored and paired; generating with the stored model drafts with it. A drafter built for
+    other layers is refused with one line, and nothing is paired."""
+    import json
+    import shutil
+
+    from desktop.cli import main
+
+    target, folder = pair
+    assert main(["models", "import", str(target), "--name", "tiny-q35",
+                 "--draft", str(folder)]) == 0
+    capsys.readouterr()
+    assert main(["models", "list"]) == 0
+    assert "draft d" in capsys.readouterr().out  # the drafter's folder name, stored
+    engine = Engine.load("tiny-q35", cache=CacheConfig.memory_only(), draft_depth=4)
+    assert engine.speculation == "dflash"
+    ids, logprobs, done, _ = reply(engine, FIT_PROMPT, n=16)
+    assert done.drafter == "dflash" and done.accepted_tokens > 0
+    plain = Engine.load("tiny-q35", cache=CacheConfig.memory_only(), speculation="none")
+    assert (ids, logprobs) == reply(plain, FIT_PROMPT, n=16)[:2]
+
+    other = tmp_path / "other-layers"
+    shutil.copytree(folder, other)
+    config = json.loads((other / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [0, 7]
+    (other / "config.json").write_text(json.dumps(config))
+    assert main(["models", "import", str(target), "--name", "tiny-q35-b",
+                 "--draft", str(other)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "cannot draft for" in err and "layers [7]" in err and "\n" not in err
+    assert main(["models", "list"]) == 0
+    assert "tiny-q35-b" not in capsys.readouterr().out

@@ -390,15 +390,21 @@ class ModelStore:
     def pair(self, name: str, draft: str) -> StoredModel:
         """Pair the stored model ``draft`` with ``name`` as its draft model (replacing an earlier
         pairing): ``Engine.load(name)`` then drafts with it unless told otherwise. A draft must
-        have the model's vocabulary, id for id (``ModelLoadError`` naming the first difference
-        otherwise, nothing written)."""
+        have the model's vocabulary, id for id, and a DFlash block drafter the model's sizes and
+        layers (``ModelLoadError`` naming the first difference otherwise, nothing written)."""
+        from backend.models.dflash import is_dflash_folder
         from backend.tokenizer import Tokenizer
+        from backend.weights.loading import read_checkpoint
 
         target, helper = self.get(name), self.get(draft)
         if target.name == helper.name:
             raise ModelLoadError(f"{name!r} cannot be its own draft")
-        reason = Tokenizer.from_folder(target.path).vocabulary_mismatch(
-            Tokenizer.from_folder(helper.path))
+        if is_dflash_folder(helper.path):  # a block drafter: built for the model's layers
+            reason = read_checkpoint(helper.path)[1].check_target(
+                read_checkpoint(target.path)[1])
+        else:
+            reason = Tokenizer.from_folder(target.path).vocabulary_mismatch(
+                Tokenizer.from_folder(helper.path))
         if reason:
             raise ModelLoadError(f"{draft!r} cannot draft for {name!r}: {reason}")
         staged = target.path / f".{PAIRING_FILE}.{os.getpid()}"
