@@ -249,3 +249,33 @@ def test_models_import_pairs_a_dflash_drafter(pair, tmp_path, capsys):
     assert "cannot draft for" in err and "layers [7]" in err and "\n" not in err
     assert main(["models", "list"]) == 0
     assert "tiny-q35-b" not in capsys.readouterr().out
+
+
+# -- arbor bench spec ---------------------------------------------------------------------------
+
+def test_bench_rows_for_both_drafters_and_their_tokens_equal_plain(pair):
+    """The drafter rows of ``arbor bench spec`` on the tiny pair (the target's own MTP head and
+    the fitted DFlash drafter): a row per kind and draft count, and both drafters' replies
+    through the engine equal plain decoding's."""
+    from backend.bench import drafters as bench_drafters
+
+    target, folder = pair
+    rows = bench_drafters.round_costs(target, folder, drafts=(1, 15), prompt_tokens=24,
+                                      repeats=1, log=lambda m: None)
+    assert [(r.drafter, r.drafts) for r in rows] == [("mtp", 1), ("mtp", 15), ("dflash", 1),
+                                                      ("dflash", 15)]
+    assert all(r.plain_ms > 0 and r.draft_ms > 0 and r.verify_ms > 0 for r in rows)
+    assert bench_drafters.same_tokens_as_plain(target, folder, new_tokens=16) == {
+        "mtp": True, "dflash": True}
+    table = bench_drafters.format_table(rows, {"mtp": True, "dflash": True}, 64, 4)
+    assert "break-even" in table and "mtp yes, dflash yes" in table
+
+
+def test_break_even_acceptance_is_where_a_round_pays_as_plain_steps_do():
+    from backend.bench.drafters import CostRow
+
+    for k, a in ((1, 0.5), (4, 0.8), (15, 0.9)):
+        expected = sum(a ** j for j in range(k + 1))  # tokens a round of k drafts commits
+        row = CostRow("dflash", k, plain_ms=2.0, draft_ms=0.5, verify_ms=2.0 * expected - 0.5)
+        assert abs(row.break_even - a) < 1e-6
+    assert CostRow("mtp", 2, 1.0, 1.0, 2.5).break_even is None  # 3.5 steps' time for <= 3
