@@ -32,7 +32,7 @@ from backend.weights.loading import load_model
 from tests.fixtures.fitted_drafters import (DFLASH_BLOCK, FIT_PROMPT, fitted_dflash_checkpoint,
                                             greedy_path, reference_dflash)
 from tests.test_mtp_qwen3_5 import (EXACT_CHUNK, OTHER_PROMPT, block_outcomes, cache_contents,
-                                    resumed)
+                                    resumed_replies_equal_plain)
 from tests.test_speculative import reply
 from tests.test_speculative_distribution import (_accept_everything, _reject_to_target,
                                                  assert_matches, chi_square_p)
@@ -112,17 +112,10 @@ def test_speculative_replies_equal_plain_ones_at_every_depth_and_tier(pair, tmp_
             outcomes |= block_outcomes(flags, done.draft_rounds, depth)
         engine.close()
     assert outcomes == {"whole", "partial", "none"}, outcomes
-    follow = FIT_PROMPT + want(FIT_PROMPT, 32)[0][:12]  # the next turn stays on the fitted path
-    for tier in ("live", "device", "host", "disk"):
-        for depth in (1, 7, 15):
-            engine = resumed(lambda config: Engine.load(str(target), cache=config,
-                                                        draft=str(folder), draft_depth=depth),
-                             tier, tmp_path / f"{depth}", FIT_PROMPT)
-            ids, logprobs, done, _ = reply(engine, follow, n=16)
-            assert done.cached_by_tier.get(tier, 0) > 0, (tier, done.cached_by_tier)
-            assert done.accepted_tokens > 0 and done.drafter == "dflash"
-            assert (ids, logprobs) == want(follow, 16), f"{tier}, depth {depth}"
-            engine.close()
+    resumed_replies_equal_plain(
+        lambda config, depth: Engine.load(str(target), cache=config, draft=str(folder),
+                                          draft_depth=depth),
+        (1, 7, 15), "dflash", want, tmp_path)
 
 
 def test_rejected_rounds_leave_every_cache_as_a_fresh_prefill(pair):

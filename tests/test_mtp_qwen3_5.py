@@ -181,17 +181,26 @@ def test_speculative_replies_equal_plain_ones_from_every_tier(family, fitted, tm
             outcomes |= block_outcomes(flags, done.draft_rounds, depth)
         engine.close()
     assert outcomes == {"whole", "partial", "none"}, outcomes
-    # The next turn stays on the fitted path (the first reply and two more of the target's
-    # own tokens), so the restored head drafts what the target then says.
+    resumed_replies_equal_plain(
+        lambda config, depth: Engine.load(str(folder), cache=config, draft_depth=depth),
+        (1, 3, 8), "mtp", want, tmp_path)
+
+
+def resumed_replies_equal_plain(load: Callable[[CacheConfig, int], Engine],
+                                depths: tuple[int, ...], kind: str,
+                                want: Callable[[list[int], int], tuple], tmp_path) -> None:
+    """From each tier and at each depth (``load(cache config, depth)``), the next turn after
+    ``FIT_PROMPT`` drafts with ``kind``, accepts drafts and equals ``want`` (plain decoding's
+    reply). The turn stays on the fitted path (the first reply and two more of the target's own
+    tokens), so the restored drafter drafts what the target then says."""
     follow = FIT_PROMPT + want(FIT_PROMPT, 32)[0][:12]
     for tier in ("live", "device", "host", "disk"):
-        for depth in (1, 3, 8):
-            engine = resumed(lambda config: Engine.load(str(folder), cache=config,
-                                                        draft_depth=depth),
-                             tier, tmp_path / f"{depth}", FIT_PROMPT)
+        for depth in depths:
+            engine = resumed(lambda config: load(config, depth), tier, tmp_path / f"{depth}",
+                             FIT_PROMPT)
             ids, logprobs, done, _ = reply(engine, follow, n=16)
             assert done.cached_by_tier.get(tier, 0) > 0, (tier, done.cached_by_tier)
-            assert done.accepted_tokens > 0 and done.drafter == "mtp"
+            assert done.accepted_tokens > 0 and done.drafter == kind
             assert (ids, logprobs) == want(follow, 16), f"{tier}, depth {depth}"
             engine.close()
 
