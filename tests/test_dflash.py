@@ -272,3 +272,47 @@ def test_break_even_acceptance_is_where_a_round_pays_as_plain_steps_do():
         row = CostRow("dflash", k, plain_ms=2.0, draft_ms=0.5, verify_ms=2.0 * expected - 0.5)
         assert abs(row.break_even - a) < 1e-6
     assert CostRow("mtp", 2, 1.0, 1.0, 2.5).break_even is None  # 3.5 steps' time for <= 3
+
+
+def test_block_drafts_in_a_batch_equal_their_solo_replies(pair):
+    """Three requests drafting DFlash blocks at once (different prompts, arriving at different
+    steps; greedy and seeded sampling): each reply equals its solo reply, bit for bit, with the
+    same drafted and accepted counts (the scheduler hands every sequence its own rows of the
+    captured layers)."""
+    from backend.api import DoneEvent, GenerateRequest
+    from tests.test_batching import events_reply
+
+    target, folder = pair
+    requests = [GenerateRequest(prompt_ids=list(p), max_tokens=20, ignore_eos=True,
+                                logprobs=True, sampling=s)
+                for p, s in ((FIT_PROMPT, SamplingParams()), (OTHER_PROMPT, SamplingParams()),
+                             (FIT_PROMPT[:9], SamplingParams(temperature=0.8, seed=3)))]
+
+    def engine(max_batch: int) -> Engine:
+        return Engine.load(str(target), cache=CacheConfig.memory_only(), draft=str(folder),
+                           prefill_chunk=EXACT_CHUNK, draft_depth=5, max_batch=max_batch)
+
+    def drafting(events) -> tuple[int, int]:
+        done = next(e for e in events if isinstance(e, DoneEvent))
+        return done.drafted_tokens, done.accepted_tokens
+
+    solo = engine(1)
+    solo_events = [list(solo.generate(r)) for r in requests]
+    expected = [events_reply(e) for e in solo_events]
+    batched = engine(3)
+    streams, events, step = {}, {}, 0
+    while len(streams) < len(requests) or batched.scheduler.busy:
+        for i in range(len(requests)):
+            if i == step:  # one arrives per step
+                streams[i], events[i] = batched.submit(requests[i]), []
+        batched.step()
+        for i, stream in streams.items():
+            while stream.events:
+                events[i].append(stream.events.popleft())
+            assert stream.error is None, stream.error
+        step += 1
+    for i in range(len(requests)):
+        assert events_reply(events[i]) == expected[i], f"request {i}"
+        # The same drafts too: each sequence's block read its own captured rows.
+        assert drafting(events[i]) == drafting(solo_events[i]), f"request {i}"
+    assert max(drafting(e)[1] for e in solo_events) > 0
