@@ -51,6 +51,7 @@ from backend.memory.fingerprint import model_fingerprint
 from backend.memory.prefix_cache import PrefixCache
 from backend.models.dflash import Model as DFlashModel
 from backend.models.dflash import is_dflash_folder
+from backend.models.state_size import state_bytes_per_token
 from backend.scheduler import Scheduler, Stream
 from backend.sequence import Sequence
 from backend.speculation.depth import DepthController
@@ -131,13 +132,23 @@ class Engine:
         self._controllers: dict[str, DepthController] = {}
         self.draft_depth = draft_depth
         self.lanes = [Lane(self.target_caches, first, self.prefix.slots[0])]
+        self.bytes_per_token = self._bytes_per_token()
         features = (lambda: self.model.model.captured) if self._drafter_kind == "dflash" \
             else (lambda: None)
         self.scheduler = Scheduler(self.lanes, self._new_lane, max_batch, self.model.hidden,
-                                   self.model.logits, self.prefix.choose_slot, features)
+                                   self.model.logits, self.prefix.choose_slot, features,
+                                   device_budget=lambda: self.prefix.budgets.device_bytes)
         self._lock = threading.RLock()  # guards the scheduler and the prefix cache
         # MLX's streams belong to a thread: the first thread that steps runs every step.
         self._owner: threading.Thread | None = None
+
+    def _bytes_per_token(self) -> int:
+        """Live-cache bytes a token adds, target and draft model (the batch's admission)."""
+        total = 0
+        for loaded in (self.loaded, self.draft):
+            if loaded is not None:
+                total += state_bytes_per_token(loaded.config, loaded.dtype.size)
+        return total
 
     def _new_drafter(self) -> Drafter | None:
         if self._drafter_kind == "model":

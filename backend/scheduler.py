@@ -16,7 +16,9 @@ request, never on the others, so it too computes alike alone or in company.
 A sequence is admitted when a lane is free or can be made (``max_batch`` lanes at most: the
 live caches, drafter and prefix-cache slot of one sequence); the others wait in arrival order.
 Among the idle lanes it takes the one whose live caches share the longest prefix with its
-prompt.
+prompt. Memory is part of admission: a sequence reserves the live-cache bytes its prompt and
+``max_tokens`` can grow to, and while others run it waits (in order) until its reserve fits
+beside theirs in the device budget; alone it always runs, so no request waits forever.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ class Scheduler:
 
     def __init__(self, lanes: list, make_lane: Callable[[], object], max_batch: int,
                  hidden: Callable, logits: Callable, choose_slot: Callable,
-                 features: Callable[[], "mx.array | None"] = lambda: None) -> None:
+                 features: Callable[[], "mx.array | None"] = lambda: None,
+                 device_budget: Callable[[], int] = lambda: 1 << 62) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.lanes = lanes
@@ -75,6 +78,7 @@ class Scheduler:
         self._logits = logits
         self._features = features  # after a forward: its captured layers' outputs, or None
         self._choose_slot = choose_slot
+        self._device_budget = device_budget  # bytes the running sequences' reserves may fill
         self.waiting: deque[tuple[object, Stream]] = deque()
         self.running: list[_Running] = []
         self.steps = 0
@@ -99,6 +103,8 @@ class Scheduler:
             idle = [lane for lane in self.lanes if id(lane) not in busy]
             if not idle and len(self.lanes) >= self.max_batch:
                 return
+            if self.running and not self._fits(self.waiting[0][0]):
+                return
             sequence, stream = self.waiting.popleft()
             if idle:
                 sequence.lane = self._best_lane(sequence.prompt, idle)
@@ -107,6 +113,10 @@ class Scheduler:
                 self.lanes.append(sequence.lane)
             stream.waiting = False
             self.running.append(_Running(sequence, sequence.run(), stream))
+
+    def _fits(self, sequence) -> bool:
+        reserved = sum(run.sequence.reserve_bytes for run in self.running)
+        return reserved + sequence.reserve_bytes <= self._device_budget()
 
     def _best_lane(self, prompt, idle: list):
         slots = [lane.slot for lane in idle]

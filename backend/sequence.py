@@ -51,6 +51,9 @@ class Sequence:
         self.cancel = cancel
         self.t_submit = t_submit
         self.lane: Lane | None = None  # given by the scheduler when it admits the sequence
+        # The most live-cache bytes the request can come to (its admission reserve).
+        self.reserve_bytes = engine.bytes_per_token * min(
+            len(prompt) + request.max_tokens, engine.context_length)
         self.held: list[int] = []  # the ids the lane's live caches hold, at every yield
 
     def cancelled(self) -> bool:

@@ -135,3 +135,32 @@ def test_a_caller_that_stops_reading_ends_only_its_request(tiny_model_dir):
             events.append(other.events.popleft())
     assert events_reply(events) == expected[1]
     assert not engine.prefix.running
+
+
+@pytest.mark.parametrize("room_for", [1, 2])
+def test_a_request_waits_while_its_caches_would_not_fit_beside_the_running_ones(
+        room_for, tiny_model_dir):
+    """Admission counts memory: each running request reserves the live-cache bytes its prompt
+    and max_tokens can grow to; one that would take the device budget past that waits in the
+    queue (it neither fails nor evicts a live path) and runs when room is made."""
+    folder = tiny_model_dir("llama")
+    requests = [GenerateRequest(prompt_ids=list(range(10 + i, 30 + i)), max_tokens=6,
+                                ignore_eos=True) for i in range(3)]
+    expected = solo_replies(folder, requests)
+    probe = Engine.load(str(folder), cache=CacheConfig.memory_only(), max_batch=3)
+    reserve = probe.bytes_per_token * (20 + 6)
+    budget = CacheBudgets(reserve * room_for + reserve // 2, 1 << 30, 0)
+    engine = Engine.load(str(folder), cache=CacheConfig(budget, None), max_batch=3)
+    streams = [engine.submit(r) for r in requests]
+    events: list[list] = [[] for _ in requests]
+    most_running = 0
+    while engine.step():
+        most_running = max(most_running, len(engine.scheduler.running))
+        for stream, out in zip(streams, events):
+            while stream.events:
+                out.append(stream.events.popleft())
+    for stream, out in zip(streams, events):
+        out.extend(stream.events)
+        assert stream.error is None
+    assert most_running == room_for
+    assert [events_reply(e) for e in events] == expected
