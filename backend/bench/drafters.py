@@ -30,10 +30,13 @@ from typing import Callable
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
-from backend.api import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
+from backend.api import GenerateRequest, SamplingParams, TokenEvent
 from backend.engine import Engine
 from backend.memory.budgets import CacheConfig
+from backend.models.dflash import Model as DFlashModel
+from backend.models.dflash import ModelArgs as DFlashArgs
 from backend.sampling import Sampler
 from backend.speculation.dflash import DFlashDrafter
 from backend.speculation.mtp import MTPDrafter
@@ -114,11 +117,8 @@ def write_pair(source: Path, work: Path, hidden_size: int = 1024, layers: int = 
                "block_size": 16, "num_target_layers": layers,
                "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": read}}
     (drafter / "config.json").write_text(json.dumps(dconfig, indent=1))
-    from backend.models.dflash import Model, ModelArgs
-    from mlx.utils import tree_flatten
-
     mx.random.seed(seed)
-    model = Model(ModelArgs.from_config(dconfig))
+    model = DFlashModel(DFlashArgs.from_config(dconfig))
     mx.save_safetensors(str(drafter / "model.safetensors"),
                         dict(tree_flatten(model.parameters())), metadata={"format": "pt"})
     return target, drafter
@@ -194,7 +194,9 @@ def same_tokens_as_plain(target: Path, dflash: Path, new_tokens: int = 32,
     plain = reply(Engine.load(str(target), cache=memory, speculation="none"))
     mtp = Engine.load(str(target), cache=memory, draft_depth=depth)
     block = Engine.load(str(target), cache=memory, draft=str(dflash), draft_depth=depth)
-    assert mtp.speculation == "mtp" and block.speculation == "dflash"
+    if (mtp.speculation, block.speculation) != ("mtp", "dflash"):
+        raise RuntimeError(f"the engines draft with {mtp.speculation} and "
+                           f"{block.speculation}, not the MTP head and the DFlash drafter")
     return {"mtp": reply(mtp) == plain, "dflash": reply(block) == plain}
 
 
