@@ -316,3 +316,71 @@ def test_block_drafts_in_a_batch_equal_their_solo_replies(pair):
         # The same drafts too: each sequence's block read its own captured rows.
         assert drafting(events[i]) == drafting(solo_events[i]), f"request {i}"
     assert max(drafting(e)[1] for e in solo_events) > 0
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["dflash", "mtp"])
+def test_a_thousand_rounds_keep_active_memory_flat(pair, kind):
+    """Rounds as the decode loop runs them (propose, a verify block observed, a random part
+    kept, settle), the context started over when it grows past 160: the target states waiting
+    for the drafter stay within a round's, and after 1,000 more rounds active memory is where
+    it was after the first 100 (nothing kept across rounds or conversations: observed states,
+    context rows, snapshots)."""
+    from backend.speculation.mtp import MTPDrafter
+    from backend.speculation.rollback import SpeculativeWrite
+
+    target_folder, folder = pair
+    model = load_model(target_folder, dtype="float32", cpu_kernels=False).model
+    if kind == "dflash":
+        draft = load_model(folder, dtype="float32", cpu_kernels=False).model
+        model.model.capture(draft.args.target_layer_ids)
+        drafter = DFlashDrafter(model, draft)
+    else:
+        drafter = MTPDrafter(model)
+    caches = model.make_caches()
+    rng = np.random.default_rng(0)
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=0))
+    held: list[int] = []
+
+    def forward(ids: list[int]) -> None:
+        start = caches[0].offset
+        hidden = model.hidden(mx.array([ids]), caches)
+        drafter.observe(start, mx.array(ids), model.model.captured if kind == "dflash"
+                        else hidden)
+        mx.eval(hidden, [c.arrays() for c in caches])
+
+    def start_over() -> None:
+        for cache in caches:
+            cache.free()
+        drafter.close()
+        held[:] = rng.integers(3, 200, 20).tolist()
+        forward(held)
+        drafter.feed(held)
+
+    def rounds(count: int) -> None:
+        for _ in range(count):
+            c = int(rng.integers(3, 200))
+            draft = drafter.propose(held + [c], int(rng.integers(1, 9)), sampler,
+                                    lambda drafts: None)
+            block = [c] + draft.tokens.tolist()
+            tx = SpeculativeWrite(caches, len(block))
+            forward(block)
+            keep = int(rng.integers(1, len(block) + 1))
+            tx.commit(keep)
+            held.extend(block[:keep])
+            drafter.settle(held)
+            # What waits to be consumed is the latest round's, never a growing backlog.
+            assert drafter._observed.positions <= 2 * len(block), drafter._observed.positions
+            if len(held) > 160:
+                start_over()
+
+    start_over()
+    rounds(100)
+    start_over()  # measured at the same point: a fresh 20-token context
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    rounds(1000)
+    start_over()
+    mx.clear_cache()
+    assert mx.get_active_memory() <= before + 64 * 1024, (before, mx.get_active_memory())

@@ -63,6 +63,11 @@ class Observed:
         return start + tokens.shape[0]
 
     @property
+    def positions(self) -> int:
+        """How many positions' states are held."""
+        return sum(tokens.shape[0] for _, tokens, _ in self.segments)
+
+    @property
     def dtype(self) -> mx.Dtype:
         return self.segments[0][2].dtype
 
