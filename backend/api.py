@@ -48,10 +48,11 @@ class GenerateRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False  # report each sampled token's log-probability under the model
-    # Speculative decoding: "auto" (the engine's default drafter), "model" (the loaded draft
-    # model or Gemma 4 assistant), "mtp" (the checkpoint's multi-token-prediction head), "lookup" (prompt n-grams)
-    # or "none". The reply is the model's own either way.
-    draft: Literal["auto", "model", "mtp", "lookup", "none"] = "auto"
+    # Speculative decoding: "auto" (the engine's default drafter), "model" (the loaded draft:
+    # a draft model, a Gemma 4 assistant or a DFlash block drafter), "mtp" (the checkpoint's
+    # multi-token-prediction head), "dflash" (the loaded DFlash block drafter), "lookup"
+    # (prompt n-grams) or "none". The reply is the model's own either way.
+    draft: Literal["auto", "model", "mtp", "dflash", "lookup", "none"] = "auto"
     # What to do when ``messages`` do not fit the context (``backend.context_policy``): "stop"
     # refuses with ContextLengthError; "drop_old_turns", "rolling_window" and
     # "truncate_middle" leave old turns out (``DoneEvent.dropped_messages`` says how many).
@@ -88,7 +89,7 @@ class DoneEvent:
     decode_tps: float
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    drafter: str = ""  # "lookup", "model", "assistant", "mtp" or "" (plain decoding)
+    drafter: str = ""  # "lookup", "model", "assistant", "mtp", "dflash" or "" (plain)
     acceptance_by_position: tuple[float, ...] = ()  # of draft position j, when reached
     mean_accepted: float = 0.0  # accepted drafts per verify round
     draft_rounds: int = 0  # verify rounds (plain decoding steps not counted)

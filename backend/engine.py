@@ -55,12 +55,15 @@ from backend.memory.budgets import CacheBudgets, CacheConfig
 from backend.memory.disk import DiskStore, RetryPolicy
 from backend.memory.fingerprint import model_fingerprint
 from backend.memory.prefix_cache import PrefixCache
+from backend.models.dflash import Model as DFlashModel
+from backend.models.dflash import is_dflash_folder
 from backend.models.state_size import state_bytes_per_token
 from backend.scheduler import Scheduler, Stream
 from backend.sequence import Sequence
 from backend.speculation.depth import DepthController
 from backend.models import gemma4_assistant
 from backend.speculation.assistant import AssistantDrafter
+from backend.speculation.dflash import DFlashDrafter
 from backend.speculation.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from backend.speculation.mtp import mtp_drafter
 from backend.speculation.profile import ProfileStore, measure_round_costs, profiled_costs
@@ -77,7 +80,7 @@ PREFILL_CHUNK = 2048
 # bit. It costs prefill speed (``arbor bench`` prints how much), so it is an option.
 EXACT_PREFILL_CHUNK = 16
 MAX_DRAFT = 8  # most draft tokens per verify round (verify blocks of up to 16 are exact)
-SPECULATION_CHOICES = ("auto", "model", "mtp", "lookup", "none")
+SPECULATION_CHOICES = ("auto", "model", "mtp", "dflash", "lookup", "none")
 
 Event = TokenEvent | DoneEvent
 
@@ -110,12 +113,13 @@ class Engine:
                  draft: LoadedModel | None = None, speculation: str = "auto",
                  draft_depth: int | None = None, max_batch: int = 1,
                  cost_profiles: bool = True) -> None:
-        """``draft``: a draft model with this tokenizer's vocabulary (``load`` checks it);
-        ``speculation``: the drafter requests get by default ("auto": the draft model if there
-        is one, else the checkpoint's multi-token-prediction head if it ships one, else prompt
-        lookup; "model" (also a paired Gemma 4 assistant), "mtp", "lookup", or "none" for
-        plain decoding; the head's caches are
-        kept only under "auto" and "mtp");
+        """``draft``: a draft model with this tokenizer's vocabulary, a Gemma 4 assistant fit
+        for this model, or a DFlash block drafter for it (``load`` checks each);
+        ``speculation``: the drafter requests get by default ("auto": the draft if there is
+        one, else the checkpoint's multi-token-prediction head if it ships one, else prompt
+        lookup; "model" (any paired draft: a draft model, an assistant, a DFlash drafter),
+        "mtp", "dflash", "lookup", or "none" for plain decoding; the head's caches are kept
+        only under "auto" and "mtp");
         ``draft_depth``: draft exactly this many tokens per round (None: the depth controller
         chooses, 0 .. MAX_DRAFT); ``max_batch``: most requests generating at once (the others
         wait their turn); ``cost_profiles``: seed the depth controller with round costs
@@ -136,9 +140,13 @@ class Engine:
             if reason:
                 raise ModelLoadError(f"{Path(draft.folder).name} cannot draft for {name}: "
                                      f"{reason}")
-        self._drafter_kind = ("assistant" if is_assistant else "model" if draft else
+        self._drafter_kind = (("assistant" if is_assistant else
+                               "dflash" if isinstance(draft.model, DFlashModel) else "model")
+                              if draft else
                               "mtp" if speculation in ("auto", "mtp")
                               and self.model.draft_head() is not None else None)
+        if self._drafter_kind == "dflash":  # every forward keeps what the drafter reads
+            self.model.model.capture(draft.model.args.target_layer_ids)
         self.target_caches = self.model.make_caches()
         first = self._new_drafter(self.target_caches)
         self.speculation = (first.kind if first else "lookup") \
@@ -152,8 +160,10 @@ class Engine:
         self.profiles = ProfileStore(profiles_dir()) if cost_profiles else None
         self.lanes = [Lane(self.target_caches, first, self.prefix.slots[0])]
         self.bytes_per_token = self._bytes_per_token()
+        features = (lambda: self.model.model.captured) if self._drafter_kind == "dflash" \
+            else (lambda: None)
         self.scheduler = Scheduler(self.lanes, self._new_lane, max_batch, self.model.hidden,
-                                   self.model.logits, self.prefix.choose_slot,
+                                   self.model.logits, self.prefix.choose_slot, features,
                                    device_budget=lambda: self.prefix.budgets.device_bytes)
         self._lock = threading.RLock()  # guards the scheduler and the prefix cache
         # MLX's streams belong to a thread: the first thread that steps runs every step.
@@ -176,6 +186,8 @@ class Engine:
                                     Path(self.draft.folder).name)
         if self._drafter_kind == "mtp":
             return mtp_drafter(self.model)
+        if self._drafter_kind == "dflash":
+            return DFlashDrafter(self.model, self.draft.model)
         return None
 
     def _new_lane(self) -> Lane:
@@ -209,11 +221,15 @@ class Engine:
         draft_loaded = None
         if draft is not None:
             draft_folder = store.resolve(draft)
-            reason = draft_mismatch(Path(folder), Path(draft_folder))
+            if is_dflash_folder(draft_folder):  # a block drafter: checked against the model
+                draft_loaded = load_model(draft_folder, dtype)
+                reason = draft_loaded.model.check_target(loaded.model)
+            else:
+                reason = draft_mismatch(Path(folder), Path(draft_folder))
             if reason:
                 raise ModelLoadError(f"{Path(draft_folder).name} cannot draft for "
                                      f"{Path(folder).name}: {reason}")
-            draft_loaded = load_model(draft_folder, dtype)
+            draft_loaded = draft_loaded or load_model(draft_folder, dtype)
         if exact_prefill:
             prefill_chunk = EXACT_PREFILL_CHUNK
         return cls(loaded, tokenizer, Path(folder).name, cache, prefill_chunk, draft_loaded,
@@ -224,7 +240,7 @@ class Engine:
         if config.directory is not None:
             memo = Path(config.directory) / "hashes.json"
             fingerprint = _fingerprint(self.loaded, memo)
-            if self._drafter_kind == "model":  # the stored states include the draft model's
+            if self._drafter_kind in ("model", "dflash"):  # the stored states hold the draft's
                 fingerprint = f"{fingerprint}-{_fingerprint(self.draft, memo)[:12]}"
             elif self._drafter_kind == "mtp":  # ... or the MTP head's (an assistant has none)
                 fingerprint = f"{fingerprint}-{self.drafter.kind}"
@@ -436,21 +452,23 @@ class Engine:
     # -- speculation ---------------------------------------------------------------------------
     def _drafter_check(self, request: GenerateRequest) -> None:
         choice = request.draft if request.draft != "auto" else self.speculation
-        paired = "model" if self._drafter_kind == "assistant" else self._drafter_kind
-        if choice in ("model", "mtp") and paired != choice:
+        kinds = {"model": ("model", "assistant", "dflash"), "mtp": ("mtp",),
+                 "dflash": ("dflash",)}
+        if choice in kinds and self._drafter_kind not in kinds[choice]:
             raise InvalidRequestError(
-                "no draft model is loaded: pair one with this model (the model manager, "
-                "or arbor models import --draft) or load one with --draft"
-                if choice == "model" else
                 "no multi-token-prediction head is in use (the checkpoint ships none, or "
-                "the engine was loaded with a draft model or without speculation)")
+                "the engine was loaded with a draft model or without speculation)"
+                if choice == "mtp" else
+                f"no {'DFlash block drafter' if choice == 'dflash' else 'draft model'} is "
+                "loaded: pair one with this model (the model manager, or arbor models import "
+                "--draft) or load one with --draft")
 
     def drafter_for(self, request: GenerateRequest, lane: Lane) -> Drafter | None:
         """The drafter this request drafts with on ``lane`` (None: plain decoding)."""
         choice = request.draft if request.draft != "auto" else self.speculation
         if choice == "none":
             return None
-        if choice in ("model", "mtp", "assistant"):  # "model" names a paired assistant too
+        if choice in ("model", "mtp", "assistant", "dflash"):  # "model": any paired draft
             return lane.drafter
         return PromptLookupDrafter()
 
@@ -458,7 +476,9 @@ class Engine:
         """One controller per drafter kind, kept across requests (costs and acceptance),
         knowing the round costs from the first round on where they can be measured."""
         if kind not in self._controllers:
-            controller = DepthController(max_depth=MAX_DRAFT, fixed=self.draft_depth)
+            # A block drafter proposes up to a block in one forward: its depths go further.
+            most = self.lanes[0].drafter.max_drafts if kind == "dflash" else MAX_DRAFT
+            controller = DepthController(max_depth=most, fixed=self.draft_depth)
             costs = self.round_costs(kind) if self.draft_depth is None else None
             if costs:
                 controller.seed(costs)

@@ -1,5 +1,7 @@
 """What a sequence asks of the scheduler: a ``Feed`` (token ids into its caches, the rows it
-wants logits of), answered with ``(hidden (1, n, hidden), logits (rows, vocab) or None)``.
+wants logits of), answered with ``(hidden (1, n, hidden), logits (rows, vocab) or None,
+features (1, n, k * hidden) or None)``: the features are the target layers' outputs a block
+drafter reads (``Backbone.capture``), present while the model captures them.
 
 The per-request code (``sequence.py``, ``decoding.py``) never runs the target model itself:
 it yields a feed where it needs a forward (``yield from forward(feed)``), so the scheduler can
@@ -13,7 +15,7 @@ from typing import Callable, Generator
 
 import mlx.core as mx
 
-Answer = tuple  # (hidden (1, n, hidden), logits (rows, vocab) | None)
+Answer = tuple  # (hidden (1, n, hidden), logits (rows, vocab) | None, features | None)
 LOGIT_ROWS = ("none", "last", "all")
 
 
@@ -46,10 +48,11 @@ class Feed:
 
 def forward(feed: Feed, observe: Callable[[int, mx.array, mx.array], None] | None = None
             ) -> Generator[Feed, Answer, Answer]:
-    """``yield from`` this to have ``feed`` answered; ``observe(start, ids, hidden)`` is told
-    (a drafter that drafts from the target's hidden states keeps them)."""
+    """``yield from`` this to have ``feed`` answered; ``observe(start, ids, states)`` is told
+    (a drafter that drafts from the target's states keeps them): the captured features when
+    the model captures layers, else the final hidden states."""
     start = feed.caches[0].offset
-    hidden, logits = yield feed
+    hidden, logits, features = yield feed
     if observe is not None:
-        observe(start, feed.tokens, hidden)
+        observe(start, feed.tokens, hidden if features is None else features)
     return hidden, logits

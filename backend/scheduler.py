@@ -63,10 +63,11 @@ class Scheduler:
     """See the module docstring. ``lanes``: the engine's lanes (the first made already);
     ``make_lane()`` makes another; ``hidden(ids, caches)`` and ``logits(hidden)`` run the
     target; ``choose_slot(prompt, slots)`` picks the prefix-cache slot a prompt resumes best
-    from."""
+    from; ``features()`` gives the latest forward's captured layer outputs (or None)."""
 
     def __init__(self, lanes: list, make_lane: Callable[[], object], max_batch: int,
                  hidden: Callable, logits: Callable, choose_slot: Callable,
+                 features: Callable[[], "mx.array | None"] = lambda: None,
                  device_budget: Callable[[], int] = lambda: 1 << 62) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -75,6 +76,7 @@ class Scheduler:
         self.max_batch = max_batch
         self._hidden = hidden
         self._logits = logits
+        self._features = features  # after a forward: its captured layers' outputs, or None
         self._choose_slot = choose_slot
         self._device_budget = device_budget  # bytes the running sequences' reserves may fill
         self.waiting: deque[tuple[object, Stream]] = deque()
@@ -219,21 +221,23 @@ class Scheduler:
             ids = mx.concatenate([f.tokens.astype(mx.int32) for f in feeds])
             lengths = [f.rows for f in feeds]
         hidden = self._hidden(ids[None], layer_segments([f.caches for f in feeds], lengths))
-        parts, wanted, at = [], [], 0
+        features = self._features()
+        parts, extra, wanted, at = [], [], [], 0
         for feed, n in zip(feeds, lengths):
             parts.append(hidden[:, at:at + n, :])
+            extra.append(None if features is None else features[:, at:at + n, :])
             if feed.logits == "last":
                 wanted.append(hidden[:, at + n - 1:at + n, :])
             elif feed.logits == "all":
                 wanted.append(parts[-1])
             at += n
         if not wanted:
-            return [(part, None) for part in parts]
+            return [(part, None, more) for part, more in zip(parts, extra)]
         rows = wanted[0] if len(wanted) == 1 else mx.concatenate(wanted, axis=1)
         logits = self._logits(rows)[0]  # (rows, vocab)
         answers, at = [], 0
-        for feed, part in zip(feeds, parts):
+        for feed, part, more in zip(feeds, parts, extra):
             k = feed.logit_rows
-            answers.append((part, logits[at:at + k] if k else None))
+            answers.append((part, logits[at:at + k] if k else None, more))
             at += k
         return answers

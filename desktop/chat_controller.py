@@ -386,7 +386,7 @@ class ChatController(QObject):
     def available_drafting(self) -> tuple[str, ...]:
         """The speculation choices the loaded model can do (``ChatSettings.speculation``)."""
         kinds = set(self.model_info.drafters if self.model_info is not None else ())
-        if "assistant" in kinds:  # a paired Gemma 4 assistant drafts as the "model" choice
+        if kinds & {"assistant", "dflash"}:  # a paired assistant or DFlash drafter is "model"
             kinds.add("model")
         return ("auto", "lookup", "none") + tuple(k for k in ("model", "mtp") if k in kinds)
 

@@ -25,11 +25,12 @@ LIMITS: dict[str, tuple[float, float]] = {
 }
 
 #: Speculative decoding per chat, as ``GenerateRequest.draft`` takes it, with the words the
-#: settings dialog shows. "auto" is the model's own default: its paired draft model, else
-#: prompt lookup. Drafting never changes the reply, only how fast it comes.
+#: settings dialog shows. "auto" is the model's own default: its paired draft (a draft model
+#: or a DFlash block drafter), else the checkpoint's MTP head, else prompt lookup. Drafting
+#: never changes the reply, only how fast it comes.
 SPECULATION_CHOICES: dict[str, str] = {
-    "auto": "Automatic (the model's own drafter, else prompt lookup)",
-    "model": "Draft model (the model's paired draft)",
+    "auto": "Automatic (the model's paired draft or MTP head, else prompt lookup)",
+    "model": "Paired draft (a draft model, a Gemma 4 assistant or a DFlash drafter)",
     "mtp": "Multi-token prediction (the checkpoint's own head)",
     "lookup": "Prompt lookup",
     "none": "Off",

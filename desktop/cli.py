@@ -204,7 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="speed: prefill/decode per weight format; cache: many conversations "
                        "round-robin against arbor serve and mlx-lm's server, then a restart; "
                        "spec: plain vs speculative decoding (prompt lookup, a 4-bit self draft), "
-                       "and a random Gemma 4 assistant's draft and verify costs; "
+                       "and a random Gemma 4 assistant's draft and verify costs, "
+                       "then one round of the Qwen3.5 MTP head and a DFlash block drafter "
+                       "against a plain step (random checkpoint, --drafter-size); "
                        "batch: 1..16 clients streaming at once against arbor serve and mlx-lm's "
                        "server, a long prompt arriving mid-stream, step cost per batch size")
     _model_args(bench)
@@ -220,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--glm", action="store_true",
                        help="also benchmark a random GLM-4.7-Flash-shaped checkpoint (latent "
                        "attention, group-limited MoE) against mlx-lm")
+    spec = bench.add_argument_group("bench spec")
+    spec.add_argument("--drafter-size", default="1024x8", metavar="HIDDENxLAYERS",
+                      help="width and depth of the random Qwen3.5-shaped checkpoint the "
+                      "checkpoint drafters' rounds are timed on (0 leaves them out)")
     batch = bench.add_argument_group("bench batch")
     batch.add_argument("--clients", default="1,2,4,8,16",
                        help="concurrent client counts, comma separated")
@@ -500,6 +506,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         costs, same = bench_assistant.run(work, work / f"{Path(source).name}-float32",
                                           log=lambda m: print(m, file=sys.stderr))
         print(bench_assistant.format_rows(costs, same))
+        if args.drafter_size != "0":
+            from backend.bench import drafters as bench_drafters
+            from backend.errors import InvalidRequestError
+
+            try:
+                hidden, layers = (int(v) for v in args.drafter_size.lower().split("x"))
+            except ValueError:
+                raise InvalidRequestError(f"--drafter-size {args.drafter_size!r} is not "
+                                          "HIDDENxLAYERS, e.g. 1024x8") from None
+            costs, same = bench_drafters.run(Path(source), work, hidden, layers,
+                                             log=lambda m: print(m, file=sys.stderr))
+            print(bench_drafters.format_table(costs, same, hidden, layers))
         return 0
     args.new_tokens = args.new_tokens or 128
     hybrid = []

@@ -107,3 +107,18 @@ def test_desktop_entry_installer_quotes_any_folder_name(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "data" / "applications" / "arbor.desktop").exists()
+
+
+def test_the_test_setup_installs_the_pinned_drafter_references():
+    """``dev.sh test`` installs packaging/test-references.txt (with --no-deps): the versions
+    installed are those pinned, and the reference drafter classes import."""
+    from importlib import metadata
+
+    pins = [line.split("==") for line in (ROOT / "packaging" / "test-references.txt")
+            .read_text().splitlines() if line and not line.startswith("#")]
+    assert {name for name, _ in pins} == {"mlx-vlm", "dflash-mlx"}
+    for name, version in pins:
+        assert metadata.version(name) == version, name
+    script = (ROOT / "packaging" / "dev.sh").read_text()
+    assert "--no-deps -r packaging/test-references.txt" in script
+    from mlx_vlm.speculative.drafters.qwen3_5_mtp import Qwen3_5MTPDraftModel  # noqa: F401

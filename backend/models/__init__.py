@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from backend.errors import ConfigError, UnknownArchitectureError
-from backend.models import (gemma3, gemma4, gemma4_assistant, glm4_moe_lite, llama, qwen3_5,
-                            qwen3_moe, qwen3_next)
+from backend.models import (dflash, gemma3, gemma4, gemma4_assistant, glm4_moe_lite, llama,
+                            qwen3_5, qwen3_moe, qwen3_next)
 from backend.models.base import Architecture, ModelConfig
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -39,6 +39,8 @@ def architecture_args(config: Mapping[str, Any], source: Path) -> tuple[Architec
     model_type = config.get("model_type")
     known = {**ARCHITECTURES, **DRAFTER_ARCHITECTURES}
     module = known.get(model_type) if isinstance(model_type, str) else None
+    if dflash.is_dflash_config(config):  # a block drafter: its model_type names its layers'
+        module = dflash
     if module is None:
         raise UnknownArchitectureError(
             f"{source}: unknown architecture model_type={model_type!r} "

@@ -52,7 +52,11 @@ class PreNormDecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    """tokens -> embedding (optionally scaled) -> layers -> final RMSNorm."""
+    """tokens -> embedding (optionally scaled) -> layers -> final RMSNorm.
+
+    ``capture(layers)``: every forward then also keeps the outputs of those layers (the
+    residual stream after each), concatenated in layer order, as ``captured`` (B, N, k * hidden):
+    what a block drafter reads (``models/dflash.py``)."""
 
     def __init__(self, args: Any, layers: list[nn.Module], norm_offset: float = 0.0,
                  embed_scale: float | None = None):
@@ -61,6 +65,17 @@ class Backbone(nn.Module):
         self.layers = layers
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=norm_offset)
         self.embed_scale = embed_scale
+        # Underscored: not parameters.
+        self._capture: frozenset[int] = frozenset()
+        self._captured: mx.array | None = None
+
+    def capture(self, layers: list[int]) -> None:
+        self._capture = frozenset(layers)
+
+    @property
+    def captured(self) -> mx.array | None:
+        """The captured layers' outputs of the latest forward (None without ``capture``)."""
+        return self._captured
 
     def embed(self, tokens: mx.array) -> mx.array:
         h = self.embed_tokens(tokens)  # (B, N, hidden)
@@ -70,8 +85,13 @@ class Backbone(nn.Module):
 
     def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
         h = self.embed(tokens)
-        for layer, cache in zip(self.layers, caches):
+        kept = []
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             h = layer(h, cache)
+            if i in self._capture:
+                kept.append(h)
+        if kept:
+            self._captured = kept[0] if len(kept) == 1 else mx.concatenate(kept, axis=-1)
         return self.norm(h)
 
 

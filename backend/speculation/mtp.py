@@ -1,5 +1,6 @@
-"""MTPDrafter: drafts with the multi-token-prediction head the checkpoint ships (Qwen3-Next
-``mtp.*``, ``models/qwen3_next.MTPHead``).
+"""MTPDrafter: drafts with the multi-token-prediction head the checkpoint ships (``mtp.*`` of
+Qwen3-Next and of Qwen3.5 / Qwen3.6, dense and MoE: one ``models/qwen3_next.MTPHead`` for all,
+reached through ``model.draft_head()`` / ``draft_hidden()``, so nothing here is per family).
 
 The head predicts the token after next: from token t + 1 and the target's hidden state at t it
 gives the distribution of token t + 2, scored by the target's own ``lm_head``. So the pairs it
@@ -45,9 +46,10 @@ from backend.speculation.drafters import Draft, History, sample_chain
 FLUSH_TOKENS = 256
 
 
-class _Observed:
-    """Target forwards not yet consumed by the head: ``(start, tokens (n,), hidden (1, n, H))``
-    segments in position order."""
+class Observed:
+    """Target forwards not yet consumed by a drafter that reads the target's states (this
+    head, ``dflash.DFlashDrafter``): ``(start, tokens (n,), states (1, n, H))`` segments in
+    position order."""
 
     def __init__(self) -> None:
         self.segments: list[tuple[int, mx.array, mx.array]] = []
@@ -59,6 +61,11 @@ class _Observed:
             return 0
         start, tokens, _ = self.segments[-1]
         return start + tokens.shape[0]
+
+    @property
+    def positions(self) -> int:
+        """How many positions' states are held."""
+        return sum(tokens.shape[0] for _, tokens, _ in self.segments)
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -100,7 +107,7 @@ class _Observed:
             hiddens.append(hidden[:, a:b])
             at = start + b
         if at != hi:
-            raise RuntimeError(f"the MTP head needs the target's hidden states of positions "
+            raise RuntimeError(f"the drafter needs the target's states of positions "
                                f"[{lo}, {hi}) but was told only up to {at}")
         if len(tokens) == 1:
             return tokens[0], hiddens[0]
@@ -120,7 +127,7 @@ class MTPDrafter:
         self.head_caches: list[Cache] = self.head.make_caches()
         self.carry = RecurrentCache()
         self.caches: list[Cache] = [*self.head_caches, self.carry]
-        self._observed = _Observed()
+        self._observed = Observed()
         self._lead = 0  # see ``paired``
 
     @property
@@ -230,7 +237,7 @@ class MTPDrafter:
     def close(self) -> None:
         for cache in self.caches:
             cache.free()
-        self._observed = _Observed()
+        self._observed = Observed()
         self._lead = 0
 
 

@@ -390,9 +390,9 @@ class ModelStore:
     def pair(self, name: str, draft: str) -> StoredModel:
         """Pair the stored model ``draft`` with ``name`` as its draft model (replacing an earlier
         pairing): ``Engine.load(name)`` then drafts with it unless told otherwise. A draft must
-        have the model's vocabulary, id for id, and a Gemma 4 assistant fit its target
-        (``draft_mismatch``; ``ModelLoadError`` naming the first difference otherwise, nothing
-        written)."""
+        have the model's vocabulary, id for id; a Gemma 4 assistant must fit its target and a
+        DFlash block drafter the model's sizes and layers (``draft_mismatch``;
+        ``ModelLoadError`` naming the first difference otherwise, nothing written)."""
 
         target, helper = self.get(name), self.get(draft)
         if target.name == helper.name:
@@ -632,12 +632,17 @@ __all__ = [
 
 def draft_mismatch(target: Path, draft: Path) -> str | None:
     """Why the model in folder ``draft`` cannot draft for the one in ``target`` (None: it can):
-    the same vocabulary, id for id; a Gemma 4 assistant must also fit its target
+    the same vocabulary, id for id; a DFlash block drafter must fit the target's sizes and
+    layers (``dflash.Model.check_target``); a Gemma 4 assistant must also fit its target
     (``gemma4_assistant.target_mismatch``), and one shipped without a tokenizer is held to the
     target's vocabulary size only."""
     from backend.models import architecture_args, gemma4_assistant
+    from backend.models.dflash import is_dflash_folder
     from backend.tokenizer import Tokenizer
+    from backend.weights.loading import read_checkpoint
 
+    if is_dflash_folder(draft):  # a block drafter (no tokenizer): built for the model's layers
+        return read_checkpoint(draft)[1].check_target(read_checkpoint(target)[1])
     module, args = architecture_args(read_config(draft), draft / "config.json")
     reason = None
     if module is gemma4_assistant:
