@@ -132,6 +132,14 @@ def q4_k_bytes(rows: int, cols: int, seed: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def iq4_nl_bytes(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random IQ4_NL blocks (a type with no affine form; gguf-py cannot quantize it)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 32, 18), dtype=np.uint8)
+    blocks[..., 0:2] = np.array([0.0005], dtype=np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def write_gguf(
     path: Path,
     hf: dict[str, np.ndarray],
@@ -184,6 +192,8 @@ def write_gguf(
             raw = data.astype(np.float16)
         elif kind == T.Q4_K:
             raw = q4_k_bytes(*data.shape, seed=len(payload))
+        elif kind == T.IQ4_NL:
+            raw = iq4_nl_bytes(*data.shape, seed=len(payload))
         else:
             raw = gguf.quants.quantize(data, kind)
         writer.add_tensor(gguf_name, raw, raw_dtype=None if kind in (T.F32, T.F16) else kind)
@@ -334,7 +344,7 @@ def test_block_quantized_gguf_converts_without_dequantizing(
 
 def test_mixed_file_gets_per_module_overrides(tmp_path: Path) -> None:
     """SmolLM2's shape: Q4_1 linears, a Q8_0 embedding, F32 norms, no output (tied); plus a
-    K-quant tensor, which is dequantized to float16."""
+    Q4_K tensor, which stays 4-bit in groups of 32 like the Q4_1 ones."""
     hf = tiny_hf_weights(seed=2, tie=True)
 
     def choose(name: str, data: np.ndarray) -> T:
@@ -354,40 +364,34 @@ def test_mixed_file_gets_per_module_overrides(tmp_path: Path) -> None:
         "group_size": 32,
         "bits": 4,
         "model.embed_tokens": {"group_size": 32, "bits": 8},
-        "model.layers.1.mlp.down_proj": False,
     }
     weights = mx.load(str(folder / "model.safetensors"))
     assert "lm_head.weight" not in weights
-    assert weights["model.layers.1.mlp.down_proj.weight"].dtype == mx.float16
+    assert weights["model.layers.1.mlp.down_proj.weight"].dtype == mx.uint32
     assert weights["model.norm.weight"].dtype == mx.float32
     for hf_name, gguf_name in gguf_names(hf).items():
         raw, kind = payload[gguf_name]
         expected = reference_values(raw, kind, gguf_name)
-        if kind == T.Q4_K:
-            np.testing.assert_allclose(
-                imported_values(folder, hf_name), expected, rtol=1e-3, atol=1e-6
-            )
-        else:
-            np.testing.assert_array_equal(
-                imported_values(folder, hf_name), expected, err_msg=hf_name
-            )
+        np.testing.assert_array_equal(imported_values(folder, hf_name), expected, err_msg=hf_name)
 
 
-def test_quantize_option_quantizes_float_and_k_quant_weights(tmp_path: Path) -> None:
+def test_quantize_option_quantizes_float_and_non_affine_weights(tmp_path: Path) -> None:
     hf = tiny_hf_weights(seed=3)
 
     def choose(name: str, data: np.ndarray) -> T:
         if data.ndim == 1:
             return T.F32
-        return {"blk.0.ffn_down.weight": T.Q4_K, "blk.0.ffn_up.weight": T.Q4_1}.get(name, T.F16)
+        return {"blk.0.ffn_down.weight": T.IQ4_NL, "blk.0.ffn_up.weight": T.Q4_1,
+                "blk.1.ffn_down.weight": T.Q4_K}.get(name, T.F16)
 
     write_gguf(tmp_path / "m.gguf", hf, choose)
     folder = import_gguf(tmp_path / "m.gguf", tmp_path / "out", quantize=8)
     quantization = json.loads((folder / "config.json").read_text())["quantization"]
-    # Float weights: 8-bit group 64. The Q4_1 tensor keeps its own 4-bit blocks; the K-quant is
-    # re-quantized at its native 32-element block size.
+    # Float weights: 8-bit group 64. The Q4_1 and Q4_K tensors keep their own 4-bit blocks; the
+    # IQ4_NL one (no affine form) is re-quantized at its native 32-element block size.
     assert quantization["group_size"] == 64 and quantization["bits"] == 8
     assert quantization["model.layers.0.mlp.up_proj"] == {"group_size": 32, "bits": 4}
+    assert quantization["model.layers.1.mlp.down_proj"] == {"group_size": 32, "bits": 4}
     assert quantization["model.layers.0.mlp.down_proj"] == {"group_size": 32, "bits": 8}
     got = imported_values(folder, "model.layers.1.self_attn.o_proj.weight")
     assert np.abs(got - hf["model.layers.1.self_attn.o_proj.weight"]).max() < 2e-3

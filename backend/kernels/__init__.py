@@ -202,9 +202,18 @@ MAX_KERNEL_ROWS = 16
 #: the kernel stays ahead for longer (measured crossover ~32 rows for a 1536 x 576 4-bit matrix).
 MAX_QUANTIZED_KERNEL_ROWS = 32
 
-#: The affine layouts ``matvec_q`` / ``dequantize`` (and the fused blocks) take.
+#: The affine layouts ``matvec_q`` / ``dequantize`` (and the fused blocks) take: 4- or 8-bit
+#: codes in groups of 32, 64 or 128, and 8-bit codes in groups of 16 (``quantized_layout_supported``).
 QUANTIZED_BITS = (4, 8)
 QUANTIZED_GROUP_SIZES = (32, 64, 128)
+#: The smaller group the 8-bit kernels also take: GGUF K-quants' 16-weight sub-blocks.
+SMALL_GROUP_SIZE = 16
+
+
+def quantized_layout_supported(bits: int, group_size: int) -> bool:
+    """Whether the quantized kernels take weights of ``bits`` in groups of ``group_size``."""
+    return (bits in QUANTIZED_BITS and group_size in QUANTIZED_GROUP_SIZES) or (
+        bits == 8 and group_size == SMALL_GROUP_SIZE)
 
 #: The layouts whose products can round their inputs to int8 (``int8_inputs``).
 INT8_INPUT_BITS = 4
@@ -259,8 +268,8 @@ def quantized_linear(
     int8_inputs: bool = False,
 ) -> Any:
     """``mx.quantized_matmul(x, wq, scales, biases, transpose=True, ...)``, through the
-    native kernel when it applies (float32 x/scales/biases, bits 4 or 8, group 32/64/128,
-    at most MAX_QUANTIZED_KERNEL_ROWS rows, CPU device); otherwise ``dequantize`` + matmul.
+    native kernel when it applies (float32 x/scales/biases, ``quantized_layout_supported``, at
+    most MAX_QUANTIZED_KERNEL_ROWS rows, CPU device); otherwise ``dequantize`` + matmul.
 
     ``int8_inputs`` (4-bit weights in groups of 64 or 128, see ``int8_inputs_supported``): the
     kernel rounds each block of 64 inputs to int8 first, ~1.5x as fast at ~2% relative
@@ -269,8 +278,7 @@ def quantized_linear(
     import mlx.core as mx
 
     if (
-        bits in QUANTIZED_BITS
-        and group_size in QUANTIZED_GROUP_SIZES
+        quantized_layout_supported(bits, group_size)
         and x.dtype == mx.float32
         and scales.dtype == mx.float32
         and biases is not None
@@ -291,12 +299,11 @@ def quantized_linear(
 
 def dequantize(wq: Any, scales: Any, biases: Any, group_size: int = 64, bits: int = 4) -> Any:
     """``mx.dequantize`` to float32; the native (threaded, ~7x faster) kernel for float32
-    scales/biases, bits 4 or 8 and group 32/64/128 on the CPU, MLX otherwise."""
+    scales/biases in a ``quantized_layout_supported`` layout on the CPU, MLX otherwise."""
     import mlx.core as mx
 
     if (
-        bits in QUANTIZED_BITS
-        and group_size in QUANTIZED_GROUP_SIZES
+        quantized_layout_supported(bits, group_size)
         and scales.dtype == mx.float32
         and biases is not None
         and biases.dtype == mx.float32
