@@ -231,9 +231,9 @@ def imported_values(folder: Path, hf_name: str) -> np.ndarray:
     module = hf_name.removesuffix(".weight")
     if f"{module}.scales" in weights:
         spec = config["quantization"].get(module, config["quantization"])
-        assert weights[f"{module}.scales"].dtype == mx.float32
-        values = mx.dequantize(
-            weights[hf_name], weights[f"{module}.scales"], weights[f"{module}.biases"],
+        values = mx.dequantize(  # float16 block scales are stored as such: widen them
+            weights[hf_name], weights[f"{module}.scales"].astype(mx.float32),
+            weights[f"{module}.biases"].astype(mx.float32),
             group_size=spec["group_size"], bits=spec["bits"],
         )  # fmt: skip
         return np.array(values)

@@ -136,13 +136,15 @@ def test_each_tensor_type(kind, tiny_hf, tmp_path):
         module = name.removesuffix(".weight")
         if f"{module}.scales" in weights:
             spec = quantization.get(module, quantization)
-            got = mx.dequantize(weights[name], weights[f"{module}.scales"],
-                                weights[f"{module}.biases"], spec["group_size"], spec["bits"])
+            got = mx.dequantize(weights[name], weights[f"{module}.scales"].astype(mx.float32),
+                                weights[f"{module}.biases"].astype(mx.float32),
+                                spec["group_size"], spec["bits"])
         else:
             got = weights[name]
         np.testing.assert_array_equal(np.array(got.astype(mx.float32)), value, err_msg=name)
+    scales = {weights[n].dtype for n in weights if n.endswith((".scales", ".biases"))}
     if kind == "Q8_K":  # float32: no 8-bit affine form is exact
-        assert "quantization" not in config
-    else:
-        assert "scales" in "".join(weights)
+        assert "quantization" not in config and not scales
+    else:  # the 32-weight types' scales are float16 values, the K-quants' products are not
+        assert scales == ({mx.float32} if kind.endswith("_K") else {mx.float16})
     check_answers_alike(imported, reference)

@@ -63,7 +63,6 @@ from backend.weights.gguf_tokenizer import build_tokenizer
 from backend.weights.loading import read_checkpoint
 from backend.weights.quantize import (
     DEFAULT_GROUP_SIZE,
-    SCALE_DTYPE,
     QuantSpec,
     is_quantizable,
     module_of,
@@ -122,6 +121,16 @@ def _read_metadata(reader: Any, path: Path) -> dict[str, Any]:
 # One tensor
 
 
+def _scale_array(values: np.ndarray) -> mx.array:
+    """Scales or biases as float16 when every value is one exactly (the 32-weight types' block
+    scales, and their multiples by -8, -16 or -128), else float32 (the K-quants' products of two
+    scales): exact either way, and a Q8_0 tensor takes 9 bits a weight on disk instead of 10.
+    The loader widens them to float32 (quantize.py says why)."""
+    half = values.astype(np.float16)
+    exact = np.isfinite(half).all() and np.array_equal(half.astype(np.float32), values)
+    return mx.array(half if exact else values.astype(np.float32))
+
+
 def _convert_tensor(tensor: Any, hf_name: str, quantize: int | None, path: Path) -> Converted:
     """One GGUF tensor of file ``path`` in MLX form (see the module docstring for the rules)."""
     import gguf
@@ -139,8 +148,8 @@ def _convert_tensor(tensor: Any, hf_name: str, quantize: int | None, path: Path)
             raise ModelLoadError(f"{path}: tensor {tensor.name}: {exc}") from None
         arrays = {
             "weight": mx.array(pack_codes(affine.codes, affine.bits)),
-            "scales": mx.array(affine.scales).astype(SCALE_DTYPE),
-            "biases": mx.array(affine.biases).astype(SCALE_DTYPE),
+            "scales": _scale_array(affine.scales),
+            "biases": _scale_array(affine.biases),
         }
         return Converted(arrays, QuantSpec(affine.group_size, affine.bits))
 

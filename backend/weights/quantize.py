@@ -13,9 +13,10 @@ so that ``w = scales * q + biases`` group by group (``mx.dequantize``). ``config
 ``.weight``) whose spec differs: a ``{"group_size", "bits"}`` dict, or ``false`` for a linear layer
 kept in floating point. This is what mlx-lm reads and writes.
 
-Scales and biases are always float32 here, whatever the source dtype: on MLX's CPU backend
-quantized matmuls with float16/bfloat16 scales are several times slower, and float16 values (the
-GGUF block scales) are exact in float32.
+Scales and biases that Arbor computes are float32: on MLX's CPU backend quantized matmuls with
+float16/bfloat16 scales are several times slower. (GGUF imports store them as float16 where
+every value is a float16 exactly, to save disk; the loader widens every scale to float32 on the
+CPU, which is exact.)
 
 Groups of 16 (from GGUF K-quants, see ``SUPPORTED_GROUP_SIZES``) are a layout MLX dequantizes but
 does not multiply; ``widen_codes`` rewrites any layout as 8-bit codes of the same values, which the
