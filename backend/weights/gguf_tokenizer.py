@@ -98,6 +98,28 @@ _PRE_TOKENIZERS: dict[str, tuple[dict[str, Any], bool]] = {
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
 
+# Control tokens that end a turn in the chat formats llama.cpp recognises by their text (it
+# stops generation at them whatever the file's eos id says): Gemma's, ChatML's, Llama 3's, Phi's.
+_END_OF_TURN_TEXTS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
+
+# The turn format of architectures whose GGUF files often carry no chat template (Gemma 3's
+# smallest releases): user and model turns between <start_of_turn> and <end_of_turn>; Gemma has
+# no system role, so a system message opens the first user turn.
+_DEFAULT_TEMPLATES = {
+    "gemma3": (
+        "{{ bos_token }}"
+        "{% set system = messages[0]['content'] + '\n\n' "
+        "if messages and messages[0]['role'] == 'system' else '' %}"
+        "{% for message in messages if message['role'] != 'system' %}"
+        "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user') + '\n' }}"
+        "{{ (system if loop.first else '') + message['content'] | trim }}"
+        "{{ '<end_of_turn>\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+    ),
+}
+
+
 @dataclass(frozen=True)
 class TokenizerFiles:
     """What ``build_tokenizer`` produces: the contents of tokenizer.json and tokenizer_config.json,
@@ -392,11 +414,17 @@ def build_tokenizer(metadata: Mapping[str, Any], path: Path) -> TokenizerFiles:
     context = next((v for k, v in metadata.items() if k.endswith(".context_length")), None)
     if context is not None:
         config["model_max_length"] = int(context)
-    template = metadata.get("tokenizer.chat_template")
+    template = metadata.get("tokenizer.chat_template") or _DEFAULT_TEMPLATES.get(
+        metadata.get("general.architecture"))
     if template:
         config["chat_template"] = template
-    # End-of-turn ids: llama.cpp's EOS plus EOT/EOM where the file has them (Llama 3's <|eot_id|>).
+    # End-of-turn ids: llama.cpp's EOS plus EOT/EOM where the file has them (Llama 3's
+    # <|eot_id|>), plus the control tokens it recognises as turn ends by their text.
+    types = metadata.get("tokenizer.ggml.token_type") or []
+    turn_ends = [i for i, text in enumerate(tokens) if text in _END_OF_TURN_TEXTS
+                 and i < len(types) and types[i] == _CONTROL]
     eos_ids = [
-        i for i in (eos, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None
+        i for i in (eos, token_id("eot_token_id"), token_id("eom_token_id"), *turn_ends)
+        if i is not None
     ]
     return TokenizerFiles(tokenizer, config, list(dict.fromkeys(eos_ids)))
