@@ -638,3 +638,35 @@ def test_smollm2_tokenizer_matches_transformers(smollm2_folder: Path, default_mo
     assert "<|im_start|>" in config["chat_template"]
     assert config["eos_token"] == "<|im_end|>"
     assert json.loads((smollm2_folder / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_turn_end_tokens_and_gemma_turns_without_a_template(tmp_path: Path) -> None:
+    """llama.cpp stops at control tokens it knows end a turn (Gemma's <end_of_turn>) whatever
+    the eos id says; a Gemma 3 file without a chat template gets Gemma's turn format."""
+    pieces = ["▁", "H", "i", "▁Hi", "<start_of_turn>", "<end_of_turn>", "user", "model", "\n"]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + pieces
+    types = [3, 3, 3, 2] + [1, 1, 1, 1, 3, 3, 1, 1, 1]
+    metadata = {
+        "general.architecture": "gemma3",
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [0.0] * len(tokens), "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.add_space_prefix": False,
+    }  # fmt: skip
+    files = build_tokenizer(metadata, tmp_path / "g.gguf")
+    assert files.eos_token_ids == [1, tokens.index("<end_of_turn>")]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text(json.dumps(files.tokenizer))
+    (folder / "tokenizer_config.json").write_text(json.dumps(files.tokenizer_config))
+    from backend.tokenizer import Tokenizer as ArborTokenizer
+
+    rendered = ArborTokenizer.from_folder(folder).render_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert rendered == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+                        "<start_of_turn>model\n")
+    with_template = build_tokenizer({**metadata, "tokenizer.chat_template": "{{ 'x' }}"},
+                                    tmp_path / "g.gguf")
+    assert with_template.tokenizer_config["chat_template"] == "{{ 'x' }}"
+    other = build_tokenizer({**metadata, "general.architecture": "llama"}, tmp_path / "g.gguf")
+    assert "chat_template" not in other.tokenizer_config
