@@ -39,7 +39,7 @@ from backend.api import CacheStats, DoneEvent, GenerateRequest, ModelInfo, Token
 from backend.decoding import Decoding, plain_tokens, speculative_tokens
 from backend.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from backend.memory.budgets import CacheBudgets, CacheConfig
-from backend.memory.disk import DiskStore
+from backend.memory.disk import DiskStore, RetryPolicy
 from backend.memory.fingerprint import model_fingerprint
 from backend.memory.prefix_cache import PrefixCache
 from backend.sampling import Sampler
@@ -138,7 +138,8 @@ class Engine:
                 fingerprint = f"{fingerprint}-{_fingerprint(self.draft, memo)[:12]}"
             elif self.drafter is not None:  # ... or the MTP head's
                 fingerprint = f"{fingerprint}-{self.drafter.kind}"
-            disk = DiskStore(Path(config.directory), fingerprint)
+            disk = DiskStore(Path(config.directory), fingerprint, io=config.disk_io,
+                             retry=config.disk_retry or RetryPolicy())
         return PrefixCache(self.caches, config.budgets, disk,
                            evaluate=lambda caches: mx.eval([c.arrays() for c in caches]),
                            capture_interval=config.capture_interval, pre_end=config.pre_end)
@@ -288,9 +289,11 @@ class Engine:
         prompt = self.prompt_ids(request)  # 1
         sampler = Sampler(request.sampling)
         budget = min(request.max_tokens, self.context_length - len(prompt))
-        resume = self.prefix.begin(prompt)  # 2
-        held = list(prompt[:resume.cached])  # the ids the live caches hold, at every step
+        held: list[int] = []  # the ids the live caches hold, at every step
         try:
+            # 2. The prefix cache never fails a turn: a fault inside it restores nothing.
+            resume = self.prefix.begin(prompt)
+            held.extend(prompt[:resume.cached])
             yield from self._run(request, prompt, resume, held, sampler, budget, cancel,
                                  t_start)
         except GeneratorExit:  # the caller stopped reading: the caches hold exactly ``held``

@@ -4,9 +4,10 @@
     arbor chat [--model M]      terminal chat with history
     arbor serve [--model M] [--host H] [--port P] [--api-key K]   OpenAI-compatible server
     arbor generate ...          one generation; --json prints one machine-readable object
-    arbor models list | import PATH [--name N] [--quantize 4|8] [--draft D [--quantize-draft 4|8]]
+    arbor models list [--verbose] | import PATH [--name N] [--quantize 4|8] [--draft D [--quantize-draft 4|8]]
                 | rm NAME | unpair NAME
-    arbor bench [--model M] [--against mlx-lm] [--formats float32,bfloat16,4bit] [--hybrid]
+    arbor bench [--model M] [--against mlx-lm] [--formats float32,bfloat16,4bit] [--hybrid [F,..]]
+                [--glm]
 
 Every user-caused problem (bad file, unknown architecture, prompt too long, bad arguments) is
 printed as one line ``arbor: error: ...`` with exit status 2, never a traceback.
@@ -21,7 +22,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from desktop.version import app_version
 
@@ -162,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="the local model store")
     msub = models.add_subparsers(dest="models_command", required=True, parser_class=_Parser)
-    msub.add_parser("list")
+    listing = msub.add_parser("list")
+    listing.add_argument("--verbose", action="store_true",
+                         help="also the cache bytes each token of a conversation takes")
     imp = msub.add_parser("import")
     imp.add_argument("path", type=Path)
     imp.add_argument("--name")
@@ -188,8 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-tokens", type=int, default=512)
     bench.add_argument("--new-tokens", type=int,
                        help="tokens per reply (default: speed 128, cache 48, spec 128)")
-    bench.add_argument("--hybrid", action="store_true",
-                       help="also benchmark a hybrid recurrent model's prefill")
+    bench.add_argument("--hybrid", nargs="?", const="qwen3_next", metavar="FAMILIES",
+                       help="also benchmark random checkpoints of newer families against "
+                       "mlx-lm: comma-separated families among qwen3_next (alone, the "
+                       "default), qwen3_5, qwen3_5_moe, gemma4, gemma4_moe, or all")
+    bench.add_argument("--glm", action="store_true",
+                       help="also benchmark a random GLM-4.7-Flash-shaped checkpoint (latent "
+                       "attention, group-limited MoE) against mlx-lm")
     trace = bench.add_argument_group("bench cache")
     trace.add_argument("--conversations", type=int, default=40)
     trace.add_argument("--turns", type=int, default=6)
@@ -371,6 +379,8 @@ def cmd_models(args: argparse.Namespace) -> int:
                 "" if m.draft in names else " (missing)")
             print(f"{m.name:40} {m.architecture:12} {m.quantization or 'float':12} "
                   f"{m.size_bytes / 1e6:9.1f} MB{draft}")
+            if args.verbose:
+                print(f"    {_state_per_token(m.path)}")
     elif args.models_command == "import":
         # A progress line only on a terminal, ended before any error: piped stderr gets
         # nothing but the one-line error.
@@ -398,6 +408,20 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _state_per_token(folder: Path) -> str:
+    """One line: the cache bytes a token of a conversation takes (float32, the CPU's compute
+    dtype), which is what each tier of the prefix cache stores per token."""
+    from backend.errors import ArborError
+    from backend.models.state_size import state_bytes_per_token
+    from backend.weights.files import read_config
+
+    try:
+        per_token = state_bytes_per_token(read_config(folder), source=folder / "config.json")
+    except ArborError as exc:
+        return f"cache per token: unknown ({exc})"
+    return f"cache per token: {per_token:,} bytes (float32; {per_token / 1024:.1f} KiB)"
+
+
 BENCH_SUITES = ("speed", "cache", "spec")
 
 
@@ -420,6 +444,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(bench_spec.format_table(rows, new_tokens))
         return 0
     args.new_tokens = args.new_tokens or 128
+    hybrid = []
+    if args.hybrid:
+        from backend import bench_hybrid
+
+        hybrid = _hybrid_families(args.hybrid, bench_hybrid.FAMILIES)  # refused before any run
     formats = tuple(f for f in args.formats.split(",") if f)
     unknown = [f for f in formats if f not in bench.FORMATS]
     if unknown:
@@ -430,10 +459,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      log=lambda m: print(m, file=sys.stderr))
     print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy")
     print(bench.format_table(rows, bench.memory_bandwidth_gbs()))
-    if args.hybrid:
-        from backend import bench_hybrid
-        print(bench_hybrid.format_table(bench_hybrid.run_hybrid_bench()))
+    for family in hybrid:
+        rows = bench_hybrid.run_hybrid_bench(family=family)
+        print(bench_hybrid.describe(family))
+        print(bench_hybrid.format_table(rows))
+    if args.glm:
+        from backend import bench_glm, bench_hybrid
+        rows = bench_glm.run_glm_bench(log=lambda m: print(m, file=sys.stderr))
+        print(bench_glm.describe())
+        print(bench_hybrid.format_table(rows))
     return 0
+
+
+def _hybrid_families(value: str, known: Iterable[str]) -> list[str]:
+    """``--hybrid``'s families (comma-separated, or ``all``); unknown names are refused."""
+    families = list(known) if value == "all" else [f for f in value.split(",") if f]
+    unknown = [f for f in families if f not in known]
+    if unknown or not families:
+        from backend.errors import InvalidRequestError
+        raise InvalidRequestError(f"unknown hybrid families {unknown or [value]} (choose from "
+                                  f"{', '.join(known)}, or all)")
+    return families
 
 
 def _bench_cache(args: argparse.Namespace, source: Path, work: Path) -> int:

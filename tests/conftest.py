@@ -3,6 +3,7 @@ setup provides (native kernels, the default model) and the skip policy (tests/sk
 
 from __future__ import annotations
 
+import logging
 import os
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -20,6 +21,31 @@ from tests.skip_policy import (  # noqa: E402,F401  (hooks: every skip must name
 )
 
 pytest_plugins = ["pytester"]
+
+
+class _FaultLog(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture(autouse=True)
+def _prefix_cache_faults_fail_the_test(request):
+    """The prefix cache recovers from any fault inside it and logs it instead of raising (a
+    turn never fails for it). So that no bug hides behind that, a recovered fault fails every
+    test but those that inject faults on purpose (``@pytest.mark.cache_faults``)."""
+    handler = _FaultLog()
+    logger = logging.getLogger("backend.memory.prefix_cache")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+    if handler.messages and request.node.get_closest_marker("cache_faults") is None:
+        pytest.fail(f"the prefix cache recovered from a fault: {handler.messages[0]}")
 
 
 @pytest.fixture(autouse=True)

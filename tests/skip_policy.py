@@ -3,7 +3,8 @@
 Two rules, applied to every test report (``tests/conftest.py`` installs the hooks):
 
 1. A skip (or xfail) must name a platform that is absent here: its reason starts with one of
-   the phrases below (``macOS only``, ``not Linux x86-64``, ``no C++ compiler``) and that
+   the phrases below (``macOS only``, ``not Linux x86-64``, ``no C++ compiler``,
+   ``not root on Linux``) and that
    platform really is absent on this machine. Anything else - a file setup should have
    provided, a build that failed, a package that is missing - turns the skip into a failure.
 2. The parts that setup provides must run where they are expected: a test that uses one of
@@ -28,6 +29,7 @@ import pytest
 MACOS_ONLY = "macOS only"
 NOT_LINUX_X86_64 = "not Linux x86-64"
 NO_COMPILER = "no C++ compiler"
+NOT_ROOT_ON_LINUX = "not root on Linux"  # mounting a tmpfs (disk-full and read-only mounts)
 
 
 def linux_x86_64() -> bool:
@@ -45,6 +47,12 @@ def compiler_found() -> bool:
     return True
 
 
+def root_on_linux() -> bool:
+    import os
+
+    return sys.platform == "linux" and os.geteuid() == 0
+
+
 def kernels_expected() -> bool:
     """Where the native kernels must build and their tests run (``packaging/dev.sh test`` stops
     when they do not build here)."""
@@ -57,6 +65,7 @@ def absent_platforms() -> list[str]:
         MACOS_ONLY: lambda: sys.platform != "darwin",
         NOT_LINUX_X86_64: lambda: not linux_x86_64(),
         NO_COMPILER: lambda: not compiler_found(),
+        NOT_ROOT_ON_LINUX: lambda: not root_on_linux(),
     }
     return [phrase for phrase, absent in checks.items() if absent()]
 

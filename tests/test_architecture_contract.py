@@ -62,8 +62,10 @@ def contract_violations(module: Any, config: dict) -> list[str]:
         return problems
     assert isinstance(model, LanguageModel) and isinstance(args, ModelConfig)
     caches = model.make_caches()
-    if len(caches) != args.num_hidden_layers or not all(isinstance(c, Cache) for c in caches):
-        problems.append("make_caches does not give one Cache per layer")
+    # Layers that read an earlier layer's keys (Gemma 4's KV-shared layers) hold no cache.
+    holding = args.num_hidden_layers - getattr(args, "num_kv_shared_layers", 0)
+    if len(caches) != holding or not all(isinstance(c, Cache) for c in caches):
+        problems.append("make_caches does not give one Cache per layer that holds state")
     tokens = mx.array([[1, 2, 3]])
     logits = model(tokens, caches)
     if logits.shape != (1, 3, args.vocab_size):

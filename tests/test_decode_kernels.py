@@ -161,7 +161,8 @@ def test_decode_ops_are_lazy_and_compose_with_async_eval(K):
     assert max_diff(out, want) < 1e-5
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen3", "gemma3", "qwen3_next"])
+@pytest.mark.parametrize("case", ["llama", "qwen3", "gemma3", "qwen3_next", "glm4_moe_lite",
+                                  "glm4_moe_lite-4bit"])
 def test_model_decode_with_native_ops_equals_plain_mlx(K, tiny_model_dir, case):
     from backend.weights.loading import load_model
 

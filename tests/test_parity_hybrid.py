@@ -31,40 +31,16 @@ from backend.caches import attention
 from backend.models.moe import QuantizedSwitchLinear
 from backend.weights.loading import load_model
 from tests.fixtures.byte_tokenizer import VOCAB_SIZE
+from tests.fixtures.references import (
+    chunked_logits,
+    give_slow_gates,
+    mlx_lm_logits,
+    random_tokens,
+    transformers_logits,
+)
 from tests.fixtures.tiny_models import write_tiny_model
 
 TOLERANCE = 1e-4
-
-
-def _tokens(n: int, seed: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, VOCAB_SIZE - 1, size=(1, n))
-
-
-def _torch_logits(folder, tokens: np.ndarray) -> np.ndarray:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.eval()
-    with torch.no_grad():
-        return model(torch.tensor(tokens)).logits.numpy()
-
-
-def _mlx_lm_logits(folder, tokens: np.ndarray) -> np.ndarray:
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model as mlx_lm_load
-
-    model, _ = mlx_lm_load(folder)
-    return np.array(model(mx.array(tokens), cache=make_prompt_cache(model)))
-
-
-def _arbor_chunked(model, tokens: np.ndarray, chunks: list[int]) -> np.ndarray:
-    caches, outs, pos = model.make_caches(), [], 0
-    for n in chunks:
-        outs.append(model(mx.array(tokens[:, pos:pos + n]), caches))
-        pos += n
-    assert pos == tokens.shape[1]
-    return np.array(mx.concatenate(outs, axis=1))
 
 
 def _max_error(a: np.ndarray, b: np.ndarray) -> float:
@@ -74,19 +50,8 @@ def _max_error(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.fixture(scope="module")
 def long_memory_qwen3_next(tmp_path_factory):
     """The tiny Qwen3-Next with slow gates: decay ~0.97 per token instead of ~0.03."""
-    from safetensors.numpy import load_file, save_file
-
-    folder = write_tiny_model(tmp_path_factory.mktemp("qwen3_next_long"), "qwen3_next", seed=3)
-    path = folder / "model.safetensors"
-    weights = load_file(path)
-    rng = np.random.default_rng(0)
-    for name in weights:
-        if name.endswith("linear_attn.A_log"):
-            weights[name] = np.log(rng.uniform(0.02, 0.08, weights[name].shape)).astype(np.float32)
-        elif name.endswith("linear_attn.dt_bias"):
-            weights[name] = np.full(weights[name].shape, -1.0, np.float32)
-    save_file(weights, path, metadata={"format": "pt"})
-    return folder
+    return give_slow_gates(write_tiny_model(tmp_path_factory.mktemp("qwen3_next_long"),
+                                            "qwen3_next", seed=3))
 
 
 # -- 1. parity --------------------------------------------------------------------------------
@@ -100,14 +65,14 @@ QWEN_SCHEDULES = [
 
 def test_qwen3_next_long_memory_matches_transformers_and_mlx_lm(long_memory_qwen3_next):
     folder = long_memory_qwen3_next
-    tokens = _tokens(150)
-    reference = _torch_logits(folder, tokens)
+    tokens = random_tokens(150)
+    reference = transformers_logits(folder, tokens)
     model = load_model(folder, dtype="float32").model
     assert np.abs(reference).max() > 0.5
     for chunks in QWEN_SCHEDULES:
-        assert _max_error(_arbor_chunked(model, tokens, chunks), reference) < TOLERANCE, chunks
-    mlx_lm = _mlx_lm_logits(folder, tokens)
-    assert _max_error(_arbor_chunked(model, tokens, [150]), mlx_lm) < TOLERANCE
+        assert _max_error(chunked_logits(model, tokens, chunks), reference) < TOLERANCE, chunks
+    mlx_lm = mlx_lm_logits(folder, tokens)
+    assert _max_error(chunked_logits(model, tokens, [150]), mlx_lm) < TOLERANCE
 
 
 GEMMA_SCHEDULES = [
@@ -121,15 +86,15 @@ GEMMA_SCHEDULES = [
 def test_gemma3_window_wraps_match_transformers_and_mlx_lm(tiny_model_dir, monkeypatch, block):
     monkeypatch.setattr(attention, "QUERY_BLOCK", block)
     folder = tiny_model_dir("gemma3")
-    tokens = _tokens(40, seed=2)
-    reference = _torch_logits(folder, tokens)
+    tokens = random_tokens(40, seed=2)
+    reference = transformers_logits(folder, tokens)
     model = load_model(folder, dtype="float32").model
     kinds = {type(c).__name__ for c in model.make_caches()}
     assert kinds == {"RotatingKVCache", "KVCache"}
     for chunks in GEMMA_SCHEDULES:
-        assert _max_error(_arbor_chunked(model, tokens, chunks), reference) < TOLERANCE, chunks
-    mlx_lm = _mlx_lm_logits(folder, tokens)
-    assert _max_error(_arbor_chunked(model, tokens, [40]), mlx_lm) < TOLERANCE
+        assert _max_error(chunked_logits(model, tokens, chunks), reference) < TOLERANCE, chunks
+    mlx_lm = mlx_lm_logits(folder, tokens)
+    assert _max_error(chunked_logits(model, tokens, [40]), mlx_lm) < TOLERANCE
 
 
 # -- 2. restore and regenerate, speculative verify ---------------------------------------------
@@ -161,7 +126,7 @@ def case_model(request, tiny_model_dir):
 
 def test_snapshot_continue_restore_regenerate_equals_a_fresh_run(case_model):
     case, model = case_model
-    prompt = [int(t) for t in _tokens(24, seed=4)[0]]
+    prompt = [int(t) for t in random_tokens(24, seed=4)[0]]
     fresh = model.make_caches()
     expected = _greedy(model, fresh, _prefill(model, fresh, prompt, [10, 14]), 16)
 
@@ -188,7 +153,7 @@ def test_speculative_verify_with_restore_equals_plain_greedy(case_model):
     """Drafts that are right, partly right and wrong; every cache commits by restoring to the
     accepted count. Gemma 3's window (8) wraps inside the verify blocks."""
     _, model = case_model
-    prompt = [int(t) for t in _tokens(6, seed=5)[0]]
+    prompt = [int(t) for t in random_tokens(6, seed=5)[0]]
     plain = model.make_caches()
     first = _prefill(model, plain, prompt, [6])
     expected = [first] + _greedy(model, plain, first, 24)  # plain greedy, 25 tokens
@@ -255,17 +220,17 @@ def test_quantized_experts_load_and_match_the_dequantized_model(tiny_model_dir, 
     reference_folder = tmp_path / "dequantized"
     _write_folder(reference_folder, config, dequantized)
 
-    tokens = _tokens(40, seed=6)
+    tokens = random_tokens(40, seed=6)
     schedule = [30, 1, 1, 8]  # grouped expert matmuls for the long write, gathers for the rest
-    reference = _arbor_chunked(load_model(reference_folder, dtype="float32").model, tokens,
+    reference = chunked_logits(load_model(reference_folder, dtype="float32").model, tokens,
                                schedule)
     monkeypatch.setenv("ARBOR_DEQUANTIZE_LIMIT", "0")  # keep the experts quantized
     kept = load_model(folder, dtype="float32")
     assert isinstance(kept.model.model.layers[1].mlp.switch_mlp.gate_proj, QuantizedSwitchLinear)
-    assert _max_error(_arbor_chunked(kept.model, tokens, schedule), reference) < TOLERANCE
+    assert _max_error(chunked_logits(kept.model, tokens, schedule), reference) < TOLERANCE
     monkeypatch.delenv("ARBOR_DEQUANTIZE_LIMIT")
     expanded = load_model(folder, dtype="float32").model  # CPU default: dequantized at load
-    assert _max_error(_arbor_chunked(expanded, tokens, schedule), reference) < TOLERANCE
+    assert _max_error(chunked_logits(expanded, tokens, schedule), reference) < TOLERANCE
 
 
 def test_qwen3_next_loads_the_mlx_lm_layout(long_memory_qwen3_next, tmp_path):
@@ -281,9 +246,9 @@ def test_qwen3_next_loads_the_mlx_lm_layout(long_memory_qwen3_next, tmp_path):
     weights = dict(tree_flatten(mlx_model.parameters()))
     assert any(".switch_mlp." in k for k in weights)
     _write_folder(folder, json.loads((source / "config.json").read_text()), weights)
-    tokens = _tokens(50, seed=7)
-    ours = _arbor_chunked(load_model(folder, dtype="float32").model, tokens, [20, 30])
-    hf = _arbor_chunked(load_model(source, dtype="float32").model, tokens, [50])
+    tokens = random_tokens(50, seed=7)
+    ours = chunked_logits(load_model(folder, dtype="float32").model, tokens, [20, 30])
+    hf = chunked_logits(load_model(source, dtype="float32").model, tokens, [50])
     assert _max_error(ours, hf) < TOLERANCE
 
 
@@ -303,7 +268,7 @@ def test_engine_generates_and_reuses_prefixes(tiny_model_dir, case):
     def run(e: Engine, prompt: list[int]):
         return list(e.generate(GenerateRequest(prompt_ids=prompt, max_tokens=12)))[-1]
 
-    prompt = [int(t) for t in _tokens(30, seed=8)[0]]
+    prompt = [int(t) for t in random_tokens(30, seed=8)[0]]
     warm = engine()
     first = run(warm, prompt)
     assert first.cached_tokens == 0

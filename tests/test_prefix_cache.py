@@ -67,6 +67,7 @@ class Harness:
         for cache in self.caches:
             assert cache.held() == held, f"{cache.kind} after commit"
         self.pc.check_invariants()
+        assert self.pc.faults == 0, "an operation failed inside the prefix cache (see the log)"
         return resume
 
     def _write(self, tokens):
@@ -330,8 +331,15 @@ def test_prefetch_promotes_without_running_the_model(harness, tmp_path):
     written = [c.written for c in h2.caches]
     assert h2.pc.prefetch(turn(a, [2], [3])) == len(a) + 1
     assert [c.written for c in h2.caches] == written
+    reads = []
+    read = h2.pc.disk.read
+    h2.pc.disk.read = lambda *args: reads.append(args) or read(*args)
     r = h2.request(turn(a, [2], [3]), [4])
-    assert r.by_tier["disk"] == 0 and r.by_tier["device"] == len(a) + 1
+    assert not reads, "the prefetch already brought the state to the device"
+    # ... and the reply still says where it came from: the disk, read by the prefetch
+    assert r.by_tier["disk"] == len(a) + 1 and r.by_tier["device"] == 0
+    r = h2.request(turn(a, [2], [3], [4], [5]), [6])  # credited once: now it is device / live
+    assert r.by_tier["disk"] == 0
     h2.pc.close()
 
 
@@ -441,6 +449,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             return
         self.h.pc.check_invariants()
         assert self.h.pc.within_budgets(), self.h.pc.stats()
+        assert self.h.pc.faults == 0, "an operation failed inside the prefix cache (see the log)"
 
     def teardown(self):
         if getattr(self, "h", None) is not None:
@@ -462,3 +471,105 @@ def _common(a, b):
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
 TestPrefixCacheMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None,
                                            suppress_health_check=[HealthCheck.too_slow])
+
+
+# -- several live slots: sequences that run at the same time ----------------------------------
+
+class SlotsMachine(RuleBasedStateMachine):
+    """Up to three sequences at once, each in its own slot over one trie: requests begin,
+    write, commit and cancel interleaved, sharing system prompts; prefetches and budget changes
+    meanwhile. Every restore brings back exactly the prompt's first tokens, every slot's caches
+    hold what the prefix cache says, and the trie's invariants and budgets hold throughout."""
+
+    @initialize(layout=st.sampled_from(sorted(LAYOUTS)), device=st.sampled_from([0, 400, 4000]),
+                host=st.sampled_from([0, 1 << 20]), disk=st.sampled_from([0, 1 << 20]),
+                seed=st.integers(0, 1000))
+    def setup(self, layout, device, host, disk, seed):
+        import tempfile
+
+        fake_caches.SNAPSHOTS.clear()
+        self.tmp = tempfile.TemporaryDirectory()
+        self.layout = layout
+        self.budgets = CacheBudgets(device, host, disk)
+        self.h = Harness(layout, self.budgets, self.tmp.name, interval=8)
+        self.pc = self.h.pc
+        self.slots = [self.pc.slots[0]] + [self.pc.new_slot(LAYOUTS[layout]())
+                                           for _ in range(2)]
+        self.rng = random.Random(seed)
+        self.writing: dict[int, list[int]] = {}  # slot index -> ids its caches hold
+        self.convs: list[list[int]] = []
+
+    def _write(self, i: int, tokens: list[int]) -> None:
+        for cache in self.slots[i].caches:
+            cache.write(tokens)
+        self.writing[i] += tokens
+
+    @rule(i=st.integers(0, 2), sys=st.sampled_from([0, 1]), n=st.integers(1, 6),
+          follow=st.booleans())
+    def start(self, i, sys, n, follow):
+        if i in self.writing:
+            return
+        base = self.rng.choice(self.convs) if follow and self.convs else [200 + sys] * 3
+        prompt = base + [self.rng.randrange(20) for _ in range(n)]
+        slot = self.slots[i]
+        resume = self.pc.begin(prompt, slot)
+        for cache in slot.caches:
+            assert cache.held() == prompt[:resume.cached], f"slot {i} after restore"
+        self.writing[i] = list(prompt[:resume.cached])
+        self._write(i, prompt[resume.cached:])
+        self.pc.attach_captures(self.writing[i], slot)
+        self.convs.append(prompt)
+
+    @rule(i=st.integers(0, 2), n=st.integers(1, 3))
+    def decode(self, i, n):
+        if i in self.writing:
+            for _ in range(n):
+                self._write(i, [self.rng.randrange(20)])
+
+    @rule(i=st.integers(0, 2))
+    def finish(self, i):
+        if i not in self.writing:
+            return
+        held = self.writing.pop(i)
+        self.pc.commit(held, self.slots[i])
+        for cache in self.slots[i].caches:
+            assert cache.held() == held
+        self.convs.append(held)
+
+    @rule(i=st.integers(0, 50))
+    def prefetch(self, i):
+        if self.convs:
+            self.pc.prefetch(self.convs[i % len(self.convs)] + [1])
+
+    @rule(device=st.sampled_from([0, 300, 4000]))
+    def budgets(self, device):
+        self.pc.set_budgets(CacheBudgets(device, self.budgets.host_bytes,
+                                         self.budgets.disk_bytes))
+
+    @invariant()
+    def consistent(self):
+        if getattr(self, "pc", None) is None:
+            return
+        self.pc.check_invariants()
+        assert self.pc.faults == 0, "an operation failed inside the prefix cache (see the log)"
+        for i, slot in enumerate(self.slots):
+            held = self.writing.get(i, list(slot.live))
+            for cache in slot.caches:
+                assert cache.held() == held, f"slot {i} holds other tokens"
+
+    def teardown(self):
+        if getattr(self, "pc", None) is not None:
+            for i in list(self.writing):
+                self.pc.commit(self.writing.pop(i), self.slots[i])
+            self.pc.check_invariants()
+            held = stored_snapshots(self.pc) + [s for slot in self.slots for c in slot.caches
+                                                for s in c._lazy]
+            assert not leaked_snapshots(held)
+            self.pc.close()
+        if getattr(self, "tmp", None) is not None:
+            self.tmp.cleanup()
+
+
+TestSlotsMachine = SlotsMachine.TestCase
+TestSlotsMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])

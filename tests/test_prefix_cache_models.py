@@ -1,5 +1,10 @@
 """The prefix cache with real tiny models, one per cache kind: full attention (Llama), a sliding
-window that wraps (Gemma 3, window 8) and hybrid recurrent (Qwen3-Next).
+window that wraps (Gemma 3, window 8), hybrid recurrent (Qwen3-Next), latent attention
+(GLM-4.7-Flash, its Hugging Face checkpoint and an mlx-community 4-bit folder on the quantized
+kernels); and every Qwen3.5 row: dense and MoE, Hugging Face checkpoints whose MTP head drafts
+(its caches are stored alongside) and mlx-community 4-bit folders on the quantized kernels;
+and every Gemma 4 layout (KV-shared layers whose keys are stored once, with a wrapping window;
+the MoE layout), Hugging Face and mlx-community 4-bit.
 
 Exactness contract. With forwards of at most 16 tokens (``prefill_chunk=16``; such blocks are
 row-invariant, tests/test_row_invariance.py) every position's state is computed alike whatever
@@ -28,7 +33,9 @@ from backend.api import DoneEvent, GenerateRequest, TokenEvent
 from backend.engine import Engine
 from backend.memory.budgets import CacheBudgets, CacheConfig
 
-KINDS = ("llama", "gemma3", "qwen3_next")
+KINDS = ("llama", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5-4bit",
+         "qwen3_5_moe-4bit", "glm4_moe_lite", "glm4_moe_lite-4bit", "gemma4", "gemma4-moe",
+         "gemma4-4bit", "gemma4-moe-4bit")
 KIB = 1024
 #: Forwards of at most 16 tokens are row-invariant (tests/test_row_invariance.py): a position's
 #: state is then the same however the prompt was cut into chunks or decoded.

@@ -3,7 +3,9 @@ block) gives, bit for bit, the logits and cache state of k one-token decode step
 makes greedy speculative output identical to plain greedy output, not just close.
 
 Run with the native CPU kernels (the default CPU path), for every cache kind: full attention,
-a sliding window whose wrap falls inside the block, gated-delta recurrent layers, sparse MoE.
+a sliding window whose wrap falls inside the block, gated-delta recurrent layers, sparse MoE,
+latent attention (GLM-4.7-Flash, absorbed form; its per-head and expert products gathered),
+Gemma 4's layers that attend over another layer's keys.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import pytest
 
 from backend.weights.loading import load_model
 
-CASES = ["llama", "qwen3", "mistral-window", "gemma3", "qwen3_next", "qwen3_moe"]
+CASES = ["llama", "qwen3", "mistral-window", "gemma3", "qwen3_next", "qwen3_moe", "qwen3_5",
+         "qwen3_5_moe", "qwen3_5-4bit", "qwen3_5_moe-4bit", "glm4_moe_lite", "glm4_moe_lite-4bit",
+         "gemma4", "gemma4-moe", "gemma4-4bit", "gemma4-moe-4bit"]
 
 
 def _prefill(model, caches, tokens):

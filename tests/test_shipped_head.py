@@ -14,16 +14,9 @@ import numpy as np
 import pytest
 
 from backend.weights.loading import load_model
-from tests.fixtures.byte_tokenizer import VOCAB_SIZE
 from tests.fixtures.tiny_models import write_tiny_model
-from tests.test_parity import (
-    TOLERANCE,
-    _arbor_full,
-    _arbor_incremental,
-    _mlx_lm_logits,
-    _tokens,
-    _torch_logits,
-)
+from tests.fixtures.references import mlx_lm_logits, random_tokens, transformers_logits
+from tests.test_parity import SEQ_LEN, TOLERANCE, _arbor_full, _arbor_incremental
 
 #: Families whose mlx-lm module also uses a shipped head.
 MLX_LM_USES_SHIPPED_HEAD = {"gemma3"}
@@ -47,8 +40,8 @@ def tied_config_with_own_head(folder, case: str):
 @pytest.mark.parametrize("case", ["llama-tied", "qwen2", "gemma3"])
 def test_shipped_head_wins_over_tied_config(case, tmp_path):
     folder, embedding, head = tied_config_with_own_head(tmp_path / case, case)
-    tokens = _tokens(VOCAB_SIZE)
-    reference = _torch_logits(folder, tokens)
+    tokens = random_tokens(SEQ_LEN)
+    reference = transformers_logits(folder, tokens)
     full = _arbor_full(folder, tokens)
     assert np.abs(full - reference).max() < TOLERANCE
     assert np.abs(_arbor_incremental(folder, tokens) - reference).max() < TOLERANCE
@@ -57,4 +50,4 @@ def test_shipped_head_wins_over_tied_config(case, tmp_path):
     hidden = np.array(model.hidden(mx.array(tokens), model.make_caches()))
     assert np.abs(hidden @ head.T - hidden @ embedding.T).max() > 0.5
     if case in MLX_LM_USES_SHIPPED_HEAD:
-        assert np.abs(full - _mlx_lm_logits(folder, tokens)).max() < TOLERANCE
+        assert np.abs(full - mlx_lm_logits(folder, tokens)).max() < TOLERANCE

@@ -1,7 +1,8 @@
 """Speculative decoding never changes the answer.
 
-* Greedy identity: for full attention, a sliding window crossed inside verify blocks, and hybrid
-  recurrent tiny models, with every drafter (prompt lookup, a draft model that agrees, one that
+* Greedy identity: for full attention, a sliding window crossed inside verify blocks, hybrid
+  recurrent (Qwen3-Next, Qwen3.5 dense and MoE), latent-attention (GLM-4.7-Flash) and Gemma 4
+  (KV-shared layers; the MoE layout) tiny models, with every drafter (prompt lookup, a draft model that agrees, one that
   does not) and every draft length 1..8, speculative greedy output is plain greedy output token
   for token (and logprob for logprob), also for a prompt resumed from the prefix cache.
 * Rollback: after rejected rounds every cache holds exactly the committed tokens (the next step
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 from backend.api import DoneEvent, GenerateRequest, SamplingParams, TokenEvent
 from backend.caches.kv import KVCache
+from backend.caches.latent import LatentCache
 from backend.caches.recurrent import RecurrentCache
 from backend.caches.rotating import RotatingKVCache
 from backend.engine import Engine
@@ -31,7 +33,8 @@ from backend.speculation.rollback import SpeculativeWrite
 from backend.weights.loading import load_model
 from tests.fixtures.tiny_models import write_tiny_model
 
-KINDS = ("llama", "gemma3", "qwen3_next")
+KINDS = ("llama", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "glm4_moe_lite", "gemma4",
+         "gemma4-moe")
 
 
 def reply(engine: Engine, prompt, n=24, draft="auto", sampling=None):
@@ -224,10 +227,13 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny_model_dir, tmp_pa
 
 def _cache(kind):
     return {"kv": KVCache, "window": lambda: RotatingKVCache(6),
-            "recurrent": RecurrentCache}[kind]()
+            "recurrent": RecurrentCache, "latent": lambda: LatentCache(12)}[kind]()
 
 
-@pytest.mark.parametrize("case", ["llama", "gemma3", "qwen3_next"])
+@pytest.mark.parametrize("case", ["llama", "gemma3", "qwen3_next", "qwen3_5", "qwen3_5_moe",
+                                  "qwen3_5-4bit", "qwen3_5_moe-4bit", "glm4_moe_lite",
+                                  "glm4_moe_lite-4bit", "gemma4", "gemma4-moe", "gemma4-4bit",
+                                  "gemma4-moe-4bit"])
 def test_rejected_rounds_leave_exactly_the_committed_tokens(case, tiny_model_dir):
     """Many verify rounds with random acceptance, then one step: equal (bitwise) to a fresh
     prefill of exactly the committed ids, for every cache kind the model uses."""
@@ -253,7 +259,7 @@ def test_rejected_rounds_leave_exactly_the_committed_tokens(case, tiny_model_dir
     np.testing.assert_array_equal(np.array(got), np.array(want))
 
 
-@pytest.mark.parametrize("kind", ["kv", "window", "recurrent"])
+@pytest.mark.parametrize("kind", ["kv", "window", "recurrent", "latent"])
 def test_a_thousand_rounds_leak_no_memory(kind):
     rng = random.Random(0)
     cache = _cache(kind)
@@ -264,6 +270,8 @@ def test_a_thousand_rounds_leak_no_memory(kind):
             conv = [mx.random.normal((1, 3, 8)) for _ in bounds]
             delta = [mx.random.normal((1, 2, 4, 4)) for _ in bounds]
             cache.advance(n, conv, delta)
+        elif kind == "latent":
+            cache.update(mx.random.normal((1, 1, n, 12)), mx.random.normal((1, 1, n, 4)))
         else:
             cache.update(mx.random.normal((1, 2, n, 8)), mx.random.normal((1, 2, n, 8)))
         mx.eval(cache.arrays())

@@ -1,9 +1,10 @@
 """The cache contract: what every cache kind promises to models, the prefix trie and speculation.
 
 A *cache* holds one layer's attention state for one sequence (batch size 1 unless stated).
-Its ``offset`` is the number of tokens it has consumed. Three kinds implement this protocol:
-``KVCache`` (full attention, ``kv.py``), ``RotatingKVCache`` (sliding window, ``rotating.py``) and
-``RecurrentCache`` (conv + gated-delta state, ``recurrent.py``).
+Its ``offset`` is the number of tokens it has consumed. Four kinds implement this protocol:
+``KVCache`` (full attention, ``kv.py``), ``RotatingKVCache`` (sliding window, ``rotating.py``),
+``RecurrentCache`` (conv + gated-delta state, ``recurrent.py``) and ``LatentCache`` (multi-head
+latent attention's latent and rotary key per token, ``latent.py``).
 
 Writing
     Attention layers call ``update(keys, values) -> KVHistory``; models never read cache buffers
@@ -149,7 +150,11 @@ class Cache(Protocol):
 
     def merge(self, first: Snapshot, second: Snapshot) -> Snapshot: ...
 
-    def split(self, snapshot: Snapshot, at: int) -> tuple[Snapshot | None, Snapshot]: ...
+    def split(self, snapshot: Snapshot, at: int) -> tuple[Snapshot | None, Snapshot]:
+        """``snapshot`` cut at ``at`` into ``[start, at)`` (None for a state kind) and
+        ``[at, end)``. It consumes ``snapshot``, also when it raises: the caller never uses or
+        closes it again."""
+        ...
 
     def arrays(self) -> list[mx.array]:
         """The arrays holding the live state, for ``mx.eval`` after a write."""

@@ -33,6 +33,10 @@ their results are the same bit for bit:
 * ``attention_mlp``: attention over a cache's buffers, output projection, residual, RMS norm,
   gated MLP, residual.
 
+Stacked matrices (MoE experts, per-head projections) have a gathered form: ``gather_linear`` /
+``gather_quantized_linear`` multiply each row by the matrix its index picks, rows that pick the
+same matrix in one pass over it (MLX's ``gather_mm`` on the CPU runs a slow product per row).
+
 Models turn them on per module (``native_ops``) when ``use_cpu_kernels`` runs. ``linear`` / ``quantized_linear`` make
 that choice (kernel when available and it applies, plain MLX otherwise). Nothing here raises when the extension is absent: ``available()`` is False
 (not built, built for another MLX, macOS, non-x86 CPU, or ``ARBOR_KERNELS=0``) and
@@ -60,6 +64,8 @@ __all__ = [
     "isa",
     "attention",
     "dequantize",
+    "gather_linear",
+    "gather_quantized_linear",
     "linear",
     "matvec",
     "matvec_q",
@@ -435,6 +441,44 @@ def attention_mlp(q: Any, keys: Any, values: Any, length: int, scale: float, win
     run one by one."""
     return _module.attention_mlp(q, keys, values, int(length), float(scale), int(window), x,
                                  norm_weight, float(eps), o, gate_up, down)
+
+
+def _gather_applies(x: Any, indices: Any) -> bool:
+    import mlx.core as mx
+
+    return (x.dtype == mx.float32 and indices.dtype in (mx.int32, mx.uint32)
+            and indices.shape == x.shape[:-1] and available() and _on_cpu())
+
+
+def gather_linear(x: Any, w: Any, indices: Any) -> Any | None:
+    """Row r of ``x`` (..., K) times ``w[indices[r]].T`` for stacked ``w`` (E, N, K) ->
+    (..., N) float32, through the kernel (float32 x; w float32, bfloat16 or float16; int32 or
+    uint32 indices of x's leading shape; CPU device), else None (then use ``mx.gather_mm``).
+    Each row is reduced as a one-row ``matvec`` with its matrix would be (row invariance);
+    an out-of-range index gives a row of zeros."""
+    import mlx.core as mx
+
+    if _gather_applies(x, indices) and w.ndim == 3 and w.dtype in (
+            mx.float32, mx.bfloat16, mx.float16) and w.shape[2] == x.shape[-1]:
+        return _module.gather_matvec(x, w, indices)
+    return None
+
+
+def gather_quantized_linear(x: Any, wq: Any, scales: Any, biases: Any, indices: Any,
+                            group_size: int, bits: int) -> Any | None:
+    """``gather_linear`` for stacked weights in MLX's affine layout (``wq`` (E, N, K*bits/32),
+    float32 ``scales`` / ``biases`` (E, N, K/group_size), bits 4 or 8, group 32/64/128), else
+    None (then use ``mx.gather_qmm``)."""
+    import mlx.core as mx
+
+    if (_gather_applies(x, indices) and bits in QUANTIZED_BITS
+            and group_size in QUANTIZED_GROUP_SIZES and biases is not None
+            and scales.dtype == mx.float32 and biases.dtype == mx.float32):
+        try:
+            return _module.gather_matvec_q(x, wq, scales, biases, indices, group_size, bits)
+        except ValueError:
+            return None  # shapes gather_qmm may still take (or refuse with its own message)
+    return None
 
 
 def isa() -> str | None:

@@ -46,11 +46,13 @@ _SOURCES = (
     ("decode_ops.cpp", ()),
     ("decode_math.cpp", ()),
     ("layer_ops.cpp", ()),
+    ("gather_ops.cpp", ()),
     ("kernels_generic.cpp", ()),
     ("kernels_avx2.cpp", ("-mavx2", "-mfma", "-mf16c")),
     ("kernels_avx512.cpp", ("-mavx512f", "-mavx2", "-mfma", "-mf16c")),
 )
-_HEADERS = ("kernels.h", "kernels_impl.h", "decode_ops.h", "layer_ops.h", "mlx_glue.h")
+_HEADERS = ("kernels.h", "kernels_impl.h", "decode_ops.h", "layer_ops.h", "mlx_glue.h",
+            "gather_ops.h")
 
 
 class BuildError(RuntimeError):

@@ -32,6 +32,7 @@
 #include "mlx/version.h"
 
 #include "decode_ops.h"
+#include "gather_ops.h"
 #include "layer_ops.h"
 #include "kernels.h"
 #include "mlx_glue.h"
@@ -357,6 +358,22 @@ NB_MODULE(_arbor_kernels, m) {
         "Causal attention over the first `length` positions of a cache's key / value buffers, "
         "then the rest of a pre-norm layer: x + o(attn) -> h, h + down(silu(gate) * up) of the "
         "RMS-normed h.");
+  m.def("gather_matvec",
+        [](const mx::array& x, const mx::array& w, const mx::array& indices) {
+          return arbor::gather_matvec(x, w, indices);
+        },
+        nb::arg("x"), nb::arg("w"), nb::arg("indices"),
+        "Row r of float32 x (..., K) @ w[indices[r]].T for w (E, N, K) float32, bfloat16 or "
+        "float16 and int32 / uint32 indices of x's leading shape -> (..., N) float32.");
+  m.def("gather_matvec_q",
+        [](const mx::array& x, const mx::array& wq, const mx::array& scales,
+           const mx::array& biases, const mx::array& indices, int group_size, int bits) {
+          return arbor::gather_matvec_q(x, wq, scales, biases, indices, group_size, bits);
+        },
+        nb::arg("x"), nb::arg("wq"), nb::arg("scales"), nb::arg("biases"), nb::arg("indices"),
+        nb::arg("group_size"), nb::arg("bits"),
+        "gather_matvec for stacked weights in MLX's affine layout: uint32 wq (E, N, K*bits/32), "
+        "float32 scales and biases (E, N, K/group_size), bits 4 or 8.");
   m.def("isa", [] { return std::string(arbor::best_isa().name); },
         "Instruction set the kernels use on this CPU.");
   m.def("max_threads", &arbor::max_threads, "Threads a large product may use.");

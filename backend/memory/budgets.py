@@ -12,6 +12,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MIB = 1 << 20
 
@@ -68,12 +69,17 @@ def _free_disk_bytes(path: Path | None) -> int:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """How an engine's prefix cache is set up. ``directory`` None: no disk tier."""
+    """How an engine's prefix cache is set up. ``directory`` None: no disk tier.
+    ``disk_retry``: how soon a disk tier that failed tries again (``disk.RetryPolicy``; None:
+    its default); ``disk_io``: the disk tier's file and SQLite calls (``disk.DiskIO``; tests
+    inject faults there)."""
 
     budgets: CacheBudgets
     directory: Path | None
     capture_interval: int = 4096  # a prefill capture every this many tokens
     pre_end: int = 4  # and this many tokens before the end of each prompt
+    disk_retry: Any = None
+    disk_io: Any = None
 
     @classmethod
     def default(cls, device_mb: int | None = None, host_mb: int | None = None,

@@ -35,10 +35,12 @@ def model_fingerprint(folder: Path, weight_files: list[Path], dtype: str, comput
                       memo_file: Path | None = None) -> str:
     """A short hex name for (weights, config, dtype, compute path, cache format)."""
     memo: dict[str, str] = {}
-    if memo_file is not None and memo_file.is_file():
+    if memo_file is not None:
         try:
             memo = json.loads(memo_file.read_text())
         except (OSError, ValueError):
+            memo = {}
+        if not isinstance(memo, dict):
             memo = {}
     h = hashlib.blake2b(digest_size=12)
     config = Path(folder) / "config.json"
@@ -47,11 +49,45 @@ def model_fingerprint(folder: Path, weight_files: list[Path], dtype: str, comput
         h.update(path.name.encode() + b"\0" + file_digest(path, memo).encode())
     h.update(f"|{dtype}|{compute}|v{FORMAT_VERSION}".encode())
     if memo_file is not None:
+        _save_memo(memo_file, memo)
+    return h.hexdigest()
+
+
+def _save_memo(memo_file: Path, memo: dict[str, str]) -> None:
+    """Write the digests atomically; the memo is only a shortcut, so a disk that refuses it
+    costs a re-hash next time, never a failure. Temporaries a killed process left are removed."""
+    tmp = memo_file.with_suffix(f".tmp-{os.getpid()}")
+    try:
+        memo_file.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(memo_file.parent, memo_file.stem)
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_file)
+    except OSError:
         try:
-            memo_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = memo_file.with_suffix(f".tmp-{os.getpid()}")
-            tmp.write_text(json.dumps(memo))
-            os.replace(tmp, memo_file)
+            tmp.unlink(missing_ok=True)
         except OSError:
             pass
-    return h.hexdigest()
+
+
+def remove_stale_temporaries(folder: Path, stem: str) -> None:
+    """Remove ``<stem>.tmp-<pid>`` files whose process is gone (one that is still running may
+    be writing its own)."""
+    for path in folder.glob(f"{stem}.tmp-*"):
+        pid = path.suffix.removeprefix(".tmp-")
+        if not pid.isdigit() or not _process_alive(int(pid)):
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
+
+
+def _process_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True

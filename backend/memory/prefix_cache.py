@@ -42,61 +42,72 @@ disk -> dropped; the live conversation's path goes last. A running request locks
 restored (``begin`` .. ``commit``): a locked node is never dropped, and loses a copy only when
 another tier holds one or the live caches do (then it becomes free views of them). Budgets are
 exact bytes (``nbytes`` of arrays, file sizes) and are never exceeded between steps.
+
+Faults. The cache is an optimization and never fails a turn. Each public operation is a fault
+boundary (``_fault_boundary``): whatever raises inside it (a cache, the disk, a bug), the
+operation ends in a consistent state (``_recover``: the live caches dropped, no request left
+running, no lock held, every node that lost its data or a part of it forgotten with its
+subtree, the counters rebuilt), says so in one log line per kind of failure, and answers as a
+cache that had nothing: ``begin`` restores nothing (the engine prefills the whole prompt),
+``prefetch`` brings nothing, ``commit`` and ``persist`` store nothing. Misuse by the caller
+(``begin`` while a request runs, an empty prompt, ``commit`` with none) still raises
+``PrefixCacheMisuse``. The disk tier has its own boundary (``disk.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from backend.api import CacheStats, TierStats
+from backend.api import CacheStats
 from backend.memory.budgets import CacheBudgets
-from backend.memory.disk import DiskEntry, DiskStore, new_node_id
-from backend.memory.records import LayerRecords, records_nbytes
+from backend.memory.disk import DiskStore
+from backend.memory.records import LayerRecords
+from backend.memory.tiers import TIERS, NodeData, TierLedger, close_all
 from backend.memory.trie import PrefixTrie, TokenIds, TrieNode, as_ids, common_prefix_length
 
 log = logging.getLogger(__name__)
 
-TIERS = ("device", "host", "disk")
 CAPTURE_INTERVAL = 4096
 PRE_END = 4
 
 
-class NodeData:
-    """What a node stores, and on which tiers (see the module docstring)."""
+#: The operations on one slot's request; a fault in any other one leaves every request running.
+_SLOT_OPERATIONS = ("_begin", "_attach_captures", "_commit", "_abort")
 
-    __slots__ = ("id", "layers", "device", "host", "disk", "device_bytes", "host_bytes")
 
-    def __init__(self, layers: Sequence[bool], node_id: str | None = None) -> None:
-        self.id = node_id or new_node_id()
-        self.layers = tuple(layers)  # which layers have a snapshot at this node
-        self.device: list | None = None
-        self.host: LayerRecords | None = None
-        self.disk: DiskEntry | None = None
-        self.device_bytes = 0
-        self.host_bytes = 0
+class PrefixCacheMisuse(RuntimeError, ValueError):
+    """The caller broke the protocol (not a fault of the cache): this one is raised."""
 
-    @property
-    def on_device(self) -> bool:
-        return self.device is not None
 
-    @property
-    def on_host(self) -> bool:
-        return self.host is not None
+def _fault_boundary(on_fault: Callable):
+    """Run a public operation so that a fault inside it leaves the cache consistent
+    (``_recover``) and the operation answers ``on_fault(self, *args)``. Calls from inside
+    another guarded operation run unguarded: the outer one recovers."""
 
-    @property
-    def on_disk(self) -> bool:
-        return self.disk is not None
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            if self._guarding:
+                return method(self, *args, **kwargs)
+            self._guarding = True
+            try:
+                return method(self, *args, **kwargs)
+            except PrefixCacheMisuse:
+                raise
+            except Exception as exc:
+                self._recover(method.__name__, exc)
+                return on_fault(self, *args, **kwargs)
+            finally:
+                self._guarding = False
 
-    @property
-    def disk_bytes(self) -> int:
-        return 0 if self.disk is None else self.disk.nbytes
+        return guarded
 
-    def tiers(self) -> int:
-        return self.on_device + self.on_host + self.on_disk
+    return wrap
 
 
 @dataclass(frozen=True)
@@ -116,13 +127,33 @@ class _Request:
     attached: bool = False
 
 
+class LiveSlot:
+    """One sequence's live caches (one per layer) and what they hold: ``live``, the token ids
+    (always a prefix of something the trie stores, or empty), the request writing them
+    (``begin`` .. ``commit``) and the deepest node of the path that request pins. Several
+    slots share one trie: each sequence that runs at the same time has its own."""
+
+    __slots__ = ("caches", "live", "request", "locked")
+
+    def __init__(self, caches: Sequence) -> None:
+        self.caches = list(caches)
+        self.live = array("i")
+        self.request: _Request | None = None
+        self.locked: TrieNode | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.request is not None
+
+
 class PrefixCache:
     """See the module docstring. Used from one thread (the engine's)."""
 
     def __init__(self, caches: Sequence, budgets: CacheBudgets, disk: DiskStore | None = None,
                  evaluate: Callable[[Sequence], None] | None = None,
                  capture_interval: int = CAPTURE_INTERVAL, pre_end: int = PRE_END) -> None:
-        self.caches = list(caches)
+        self.slots = [LiveSlot(caches)]
+        self._slot = self.slots[0]  # the slot the current operation works on
         self.kinds = [c.snapshot_kind for c in self.caches]
         self.budgets = budgets
         self.disk = disk  # kept while its budget is 0: a new budget may enable it again
@@ -130,29 +161,107 @@ class PrefixCache:
         self.capture_interval = capture_interval
         self.pre_end = pre_end
         self.trie = PrefixTrie()
-        self.live = array("i")  # the token ids the live caches hold, always a stored prefix
-        self._locked: TrieNode | None = None  # deepest node of the running request's path
-        self._request: _Request | None = None
-        self._bytes = dict.fromkeys(TIERS, 0)
-        self._entries = dict.fromkeys(TIERS, 0)
-        self.hits = dict.fromkeys(("live",) + TIERS, 0)
-        self.evictions = dict.fromkeys(TIERS, 0)
-        self._lazy: set[TrieNode] = set()  # nodes with device snapshots still viewing live buffers
+        self.tiers = TierLedger(disk)
         self._unpersisted: list[TrieNode] = []
+        self._guarding = False  # inside a public operation's fault boundary
+        self._faults_logged: set[str] = set()
+        self.faults = 0  # operations a fault ended early (tests and stats read this)
         if self.disk is not None:
-            self._load_disk_index(self.disk)
-        elif disk is not None:
-            disk.close()
+            self._start_from_disk()
+
+    @_fault_boundary(lambda self: None)
+    def _start_from_disk(self) -> None:
+        self._load_disk_index(self.disk)
+
+    # -- slots: one per sequence that runs at the same time -----------------------------------
+    # The operations on one request (begin, attach_captures, commit, abort) take its slot (the
+    # first slot when none is given) and make it the current one; ``caches``, ``live``,
+    # ``_request`` and ``_locked`` below are the current slot's.
+    @property
+    def caches(self) -> list:
+        return self._slot.caches
+
+    @property
+    def live(self) -> array:
+        return self._slot.live
+
+    @live.setter
+    def live(self, ids: array) -> None:
+        self._slot.live = ids
+
+    @property
+    def _request(self) -> _Request | None:
+        return self._slot.request
+
+    @_request.setter
+    def _request(self, request: _Request | None) -> None:
+        self._slot.request = request
+
+    @property
+    def _locked(self) -> TrieNode | None:
+        return self._slot.locked
+
+    @_locked.setter
+    def _locked(self, node: TrieNode | None) -> None:
+        self._slot.locked = node
+
+    def _use(self, slot: LiveSlot | None) -> LiveSlot:
+        slot = self.slots[0] if slot is None else slot
+        if not any(slot is s for s in self.slots):
+            raise PrefixCacheMisuse("a slot this prefix cache does not hold")
+        self._slot = slot
+        return slot
+
+    def new_slot(self, caches: Sequence) -> LiveSlot:
+        """Another sequence's live caches (the same layers and kinds as the first slot's)."""
+        caches = list(caches)
+        if [c.snapshot_kind for c in caches] != self.kinds:
+            raise PrefixCacheMisuse("a slot's caches must have the first slot's kinds")
+        slot = LiveSlot(caches)
+        self.slots.append(slot)
+        return slot
+
+    def release_slot(self, slot: LiveSlot) -> None:
+        """Forget an idle slot: its live caches are freed (stored views of them copy out)."""
+        if slot is self.slots[0] or slot.running:
+            raise PrefixCacheMisuse("only an idle slot other than the first can be released")
+        self.slots = [s for s in self.slots if s is not slot]
+        self._slot = self.slots[0]
+        for cache in slot.caches:
+            cache.free()
+        slot.live = array("i")
+        self._guarded_enforce_budgets()
+
+    def choose_slot(self, prompt: TokenIds, slots: Sequence[LiveSlot]) -> LiveSlot:
+        """Of ``slots`` (idle ones), the one whose live caches share the longest prefix with
+        ``prompt``; on a tie the one holding the least (its state is the cheapest to lose)."""
+        prompt = as_ids(prompt)
+        return max(slots, key=lambda s: (common_prefix_length(s.live, prompt), -len(s.live)))
 
     # ============================================================================================
     # 1. begin: restore the longest stored prefix
     # ============================================================================================
-    def begin(self, prompt: TokenIds) -> Resume:
+    def begin(self, prompt: TokenIds, slot: LiveSlot | None = None) -> Resume:
+        """Restore the longest stored prefix of ``prompt`` into the slot's live caches and
+        schedule this prefill's captures. After a fault: nothing restored (``cached`` 0, the
+        caches empty and ready for the whole prompt)."""
+        self._use(slot)
         if self._request is not None:
-            raise RuntimeError("begin() while a request is running: commit or abort it first")
+            raise PrefixCacheMisuse("begin() while a request is running: commit or abort it "
+                                    "first")
         prompt = as_ids(prompt)
         if not prompt:
-            raise ValueError("an empty prompt has no token to evaluate")
+            raise PrefixCacheMisuse("an empty prompt has no token to evaluate")
+        return self._begin(prompt)
+
+    def _cold_begin(self, prompt: array) -> Resume:
+        """What ``begin`` answers after a fault: a request that restored nothing (the live
+        caches were dropped by ``_recover``) and captures nothing."""
+        self._request = _Request(prompt, 0)
+        return Resume(0, dict.fromkeys(("live",) + TIERS, 0), 0.0)
+
+    @_fault_boundary(_cold_begin)
+    def _begin(self, prompt: array) -> Resume:
         t0 = time.perf_counter()
         self.persist()
         while True:
@@ -176,7 +285,7 @@ class PrefixCache:
         self._request = request
         self._enforce_budgets()
         for tier, n in by_tier.items():
-            self.hits[tier] += n
+            self.tiers.hits[tier] += n
         return Resume(target, by_tier, time.perf_counter() - t0)
 
     def _deepest_reachable(self, path: list[TrieNode], limit: int, live_common: int) -> int:
@@ -235,6 +344,7 @@ class PrefixCache:
                 paged = True
             else:
                 ok = cache.restore(ends[target].data.device[j], target)
+                paged = True
             if not ok or cache.offset != target:
                 raise RuntimeError(f"restore of layer {j} to {target} failed "
                                    f"(offset {cache.offset}): the trie and the caches disagree")
@@ -247,6 +357,8 @@ class PrefixCache:
             lo, hi = max(node.start, rewind), min(node.end, target)
             if hi > lo:
                 by_tier[sources.get(id(node), "device")] += hi - lo
+            if node.data is not None and node.start < target:
+                node.data.loaded_from = None  # a prefetch's source is credited once
         return by_tier
 
     def _capture_offsets(self, cached: int, limit: int, n: int) -> list[int]:
@@ -259,14 +371,19 @@ class PrefixCache:
     # ============================================================================================
     # 2. attach_captures: keep the states the prefill crossed
     # ============================================================================================
-    def attach_captures(self, held: TokenIds) -> None:
+    def attach_captures(self, held: TokenIds, slot: LiveSlot | None = None) -> None:
         """Take the scheduled captures from every cache and store the ones the writes crossed
-        (``held``: the ids the caches hold now). Also right after a cancelled prefill."""
+        (``held``: the ids the caches hold now). Also right after a cancelled prefill. After a
+        fault nothing is stored and the request goes on (the live caches are untouched)."""
+        self._use(slot)
         request = self._require_request()
         if request.attached:
             return
         request.attached = True
-        held = as_ids(held)
+        self._attach_captures(request, as_ids(held))
+
+    @_fault_boundary(lambda self, request, held: None)
+    def _attach_captures(self, request: _Request, held: array) -> None:
         rows = [cache.take_snapshots() for cache in self.caches]
         for cache in self.caches:
             cache.cancel_snapshots()
@@ -276,19 +393,19 @@ class PrefixCache:
         for i, offset in enumerate(request.offsets[:len(rows[0]) if rows else 0]):
             row = [r[i] for r in rows]
             if offset > len(held):
-                _close_all(row)
+                close_all(row)
                 continue
             self._attach(held, offset, row)
 
     def _attach(self, held: array, offset: int, row: list) -> None:
         node = self._node_ending_at(held, offset)
         if node is None:
-            _close_all(row)
+            close_all(row)
             return
         if node.data is None:  # a new node: the captures are its data
             clipped = [self._clip(j, snap, node.start) for j, snap in enumerate(row)]
             if any(snap is None for j, snap in enumerate(clipped) if self.kinds[j] == "span"):
-                _close_all(clipped)  # a capture did not cover the whole edge: leave no node
+                close_all(clipped)  # a capture did not cover the whole edge: leave no node
                 self.trie.remove_leaf(node)
                 return
             self._new_data(node, clipped)
@@ -318,11 +435,16 @@ class PrefixCache:
     # ============================================================================================
     # 3. commit: record the generated segment; abort
     # ============================================================================================
-    def commit(self, held: TokenIds) -> None:
-        """End the request: the caches hold ``held`` (prompt + what was generated and fed)."""
+    def commit(self, held: TokenIds, slot: LiveSlot | None = None) -> None:
+        """End the request: the caches hold ``held`` (prompt + what was generated and fed).
+        After a fault the request ends with nothing recorded and the live caches dropped."""
+        self._use(slot)
         self._require_request()
-        held = as_ids(held)
-        self.attach_captures(held)
+        self._commit(as_ids(held))
+
+    @_fault_boundary(lambda self, held: None)
+    def _commit(self, held: array) -> None:
+        self.attach_captures(held, self._slot)
         if any(cache.offset != len(held) for cache in self.caches):
             raise RuntimeError(f"commit({len(held)} tokens) but the caches are at "
                                f"{[c.offset for c in self.caches]}")
@@ -361,11 +483,16 @@ class PrefixCache:
         self._add_layers(node, missing)
         return node
 
-    def abort(self) -> None:
+    def abort(self, slot: LiveSlot | None = None) -> None:
         """The request failed while writing: drop the live caches (a half-written cache is never
         reused) and its captures. Stored nodes are untouched (lazy views copy out first)."""
+        self._use(slot)
+        self._abort()
+
+    @_fault_boundary(lambda self: None)
+    def _abort(self) -> None:
         for cache in self.caches:
-            _close_all(cache.take_snapshots())
+            close_all(cache.take_snapshots())
             cache.cancel_snapshots()
             cache.free()
         self._request = None
@@ -394,32 +521,53 @@ class PrefixCache:
     def _split(self, node: TrieNode, at: int, held: array) -> TrieNode | None:
         """Cut ``node`` at ``at`` (inside ``held``'s path); returns the part ending at ``at``.
 
-        The pinned position (the last live token) always lies before ``at``, so a lock on
-        ``node`` moves to the upper part."""
+        The current request's pinned position (its last restored token) lies before ``at``, so
+        its lock on ``node`` moves to the upper part; another slot's pin moves only when it too
+        lies before ``at``."""
         readable = self._load_device(node) is not None
-        if readable:  # span snapshots are cut in two; a state belongs to the lower part's end
-            parts = [(None, None) if snap is None
-                     else self.caches[j].split(snap, at) if self.kinds[j] == "span"
-                     else (None, snap) for j, snap in enumerate(node.data.device)]
-        upper = self.trie.split(node, at)
-        if self._locked is node:
-            self._relock(upper)
+        parts = self._split_snapshots(node, at) if readable else []
+        try:
+            upper = self.trie.split(node, at)
+        except BaseException:
+            close_all(p for pair in parts for p in pair)
+            raise
+        for slot in self.slots:  # a pin before ``at`` moves up; one at or after it stays
+            if slot.locked is node and slot.request.cached <= at:
+                self._relock(upper, slot)
         if not readable:
             # Its data is gone; the upper part is still in the live caches (it lies in held).
             self._forget_subtree(node)
             self._new_data(upper, [c.snapshot(upper.start, at) if k == "span" else None
                                    for c, k in zip(self.caches, self.kinds)])
             return upper
-        self._drop_host(node)
-        self._drop_disk(node)
-        self._set_device(node, [b for _, b in parts])
+        self.tiers.drop_host(node)
+        self.tiers.drop_disk(node)
+        self.tiers.set_device(node, [b for _, b in parts])
         self._new_data(upper, [a for a, _ in parts])
         self._unpersisted.append(node)
         return upper
 
+    def _split_snapshots(self, node: TrieNode, at: int) -> list[tuple]:
+        """The node's device snapshots cut at ``at``: span snapshots in two, a state goes with
+        the lower part's end. They leave the node first (a split consumes its snapshot), so a
+        fault half way never leaves the node holding one that is gone."""
+        snaps = node.data.device
+        self.tiers.drop_device(node)
+        parts: list[tuple] = []
+        try:
+            for j, snap in enumerate(snaps):
+                parts.append((None, None) if snap is None
+                             else self.caches[j].split(snap, at) if self.kinds[j] == "span"
+                             else (None, snap))
+        except BaseException:
+            close_all(p for pair in parts for p in pair)
+            close_all(snaps[len(parts) + 1:])  # never handed to a split
+            raise
+        return parts
+
     def _new_data(self, node: TrieNode, snaps: list) -> None:
         node.data = NodeData([s is not None for s in snaps])
-        self._set_device(node, snaps)
+        self.tiers.set_device(node, snaps)
         self._unpersisted.append(node)
 
     def _add_layers(self, node: TrieNode, snaps: dict[int, object]) -> None:
@@ -427,20 +575,28 @@ class PrefixCache:
         snaps = {j: s for j, s in snaps.items() if s is not None}
         if not snaps:
             return
-        if self._load_device(node) is None:
-            _close_all(snaps.values())
+        if self._load_device(node) is None:  # its only copy was unreadable: forget it
+            close_all(snaps.values())
+            self._forget_unreadable(node)
             return
         device = list(node.data.device)
         for j, snap in snaps.items():
             device[j] = snap
-        self._drop_host(node)
-        self._drop_disk(node)
-        self._set_device(node, device, tuple(s is not None for s in device))
+        self.tiers.drop_host(node)
+        self.tiers.drop_disk(node)
+        self.tiers.set_device(node, device, tuple(s is not None for s in device))
         self._unpersisted.append(node)
 
     def _forget_unreadable(self, node: TrieNode) -> None:
         """A node's data could not be read: forget it and everything below it (what the live
-        caches hold stays valid: they are the truth for ``self.live``)."""
+        caches hold stays valid: they are the truth for ``self.live``). Running requests'
+        locks inside it go too: what they pinned is gone."""
+        for slot in self.slots:
+            locked = slot.locked
+            while locked is not None and locked is not node:
+                locked = locked.parent
+            if locked is node:
+                self._relock(None, slot)
         self._forget_subtree(node)
 
     def _forget_subtree(self, node: TrieNode) -> None:
@@ -449,94 +605,20 @@ class PrefixCache:
         self._drop_node(node)
 
     def _drop_node(self, node: TrieNode) -> None:
-        self._clear_data(node)
+        self.tiers.clear(node)
         self.trie.remove_leaf(node)
-
-    def _clear_data(self, node: TrieNode) -> None:
-        if node.data is None:
-            return
-        if node.data.on_device:
-            _close_all(node.data.device)
-            self._drop_device(node)
-        self._drop_host(node)
-        self._drop_disk(node)
 
     # ============================================================================================
     # Locks: the running request pins the path it restored (begin .. commit)
     # ============================================================================================
-    def _relock(self, node: TrieNode | None) -> None:
+    def _relock(self, node: TrieNode | None, slot: LiveSlot | None = None) -> None:
+        """Make ``node`` the slot's (the current one's) pinned path end (None: pin nothing)."""
+        slot = self._slot if slot is None else slot
         if node is not None:
             self.trie.lock(node)
-        if self._locked is not None and self._locked.parent is not None:
-            self.trie.unlock(self._locked)
-        self._locked = node
-
-    # ============================================================================================
-    # Tier transitions (the only places that change residency and the counters)
-    # ============================================================================================
-    def _set_device(self, node: TrieNode, snaps: list, layers: tuple | None = None) -> None:
-        data = node.data
-        if data.on_device:
-            self._drop_device(node)
-        if layers is not None:
-            data.layers = layers
-        data.device = list(snaps)
-        data.device_bytes = sum(s.nbytes for s in snaps if s is not None)
-        self._bytes["device"] += data.device_bytes
-        self._entries["device"] += 1
-        if any(s is not None and s.is_lazy for s in snaps):
-            self._lazy.add(node)
-
-    def _drop_device(self, node: TrieNode) -> None:
-        """Forget the device copy (the caller closed or handed on its snapshots)."""
-        data = node.data
-        if not data.on_device:
-            return
-        self._bytes["device"] -= data.device_bytes
-        self._entries["device"] -= 1
-        data.device, data.device_bytes = None, 0
-        self._lazy.discard(node)
-
-    def _refresh_lazy(self) -> None:
-        """Lazy views that the live caches copied out since now cost their bytes."""
-        for node in list(self._lazy):
-            data = node.data
-            now = sum(s.nbytes for s in data.device if s is not None)
-            self._bytes["device"] += now - data.device_bytes
-            data.device_bytes = now
-            if not any(s is not None and s.is_lazy for s in data.device):
-                self._lazy.discard(node)
-
-    def _set_host(self, node: TrieNode, records: LayerRecords) -> None:
-        data = node.data
-        self._drop_host(node)
-        data.host, data.host_bytes = records, records_nbytes(records)
-        self._bytes["host"] += data.host_bytes
-        self._entries["host"] += 1
-
-    def _drop_host(self, node: TrieNode) -> None:
-        data = node.data
-        if data is None or not data.on_host:
-            return
-        self._bytes["host"] -= data.host_bytes
-        self._entries["host"] -= 1
-        data.host, data.host_bytes = None, 0
-
-    def _set_disk(self, node: TrieNode, entry: DiskEntry) -> None:
-        self._drop_disk(node, delete=False)
-        node.data.disk = entry
-        self._bytes["disk"] += entry.nbytes
-        self._entries["disk"] += 1
-
-    def _drop_disk(self, node: TrieNode, delete: bool = True) -> None:
-        data = node.data
-        if data is None or not data.on_disk:
-            return
-        if delete and self.disk is not None:
-            self.disk.delete(data.id)
-        self._bytes["disk"] -= data.disk_bytes
-        self._entries["disk"] -= 1
-        data.disk = None
+        if slot.locked is not None and slot.locked.parent is not None:
+            self.trie.unlock(slot.locked)
+        slot.locked = node
 
     # -- moves between tiers (built on the transitions) ------------------------------------------
     def _records(self, node: TrieNode) -> LayerRecords | None:
@@ -551,24 +633,32 @@ class PrefixCache:
             return self.disk.read(data.disk, len(self.caches))
         return None
 
-    def _load_device(self, node: TrieNode) -> str | None:
-        """Make sure the node has a device copy; the tier it came from, None if unreadable."""
+    def _load_device(self, node: TrieNode, prefetch: bool = False) -> str | None:
+        """Make sure the node has a device copy; the tier it came from (for a copy a prefetch
+        brought, the tier the prefetch read), None if unreadable. ``prefetch``: remember the
+        source for the restore that uses the copy."""
         data = node.data
         if data.on_device:
-            return "device"
+            return data.loaded_from or "device"
         source = "host" if data.on_host else "disk"
         records = self._records(node)
         if records is None or [r is not None for r in records] != list(data.layers):
             if source == "disk":
-                self._drop_disk(node)
+                self.tiers.drop_disk(node)
             return None
-        self._set_device(node, [None if r is None else self.caches[j].import_snapshot(r)
-                                for j, r in enumerate(records)])
+        self.tiers.set_device(node, [None if r is None else self.caches[j].import_snapshot(r)
+                                     for j, r in enumerate(records)])
+        if prefetch:
+            data.loaded_from = source
         return source
 
     def _write_disk(self, node: TrieNode) -> bool:
         if self.disk is None or node.data.on_disk or self.budgets.disk_bytes <= 0:
             return node.data.on_disk
+        if not self.disk.writable():
+            if self.disk.retrying:
+                self._unpersisted.append(node)  # written once the disk takes writes again
+            return False
         records = self._records(node)
         if records is None:
             return False
@@ -577,8 +667,10 @@ class PrefixCache:
         entry = self.disk.write(node.data.id, parent_id, node.start, node.tokens.tolist(),
                                 records, node.last_used)
         if entry is None:
+            if self.disk.retrying:
+                self._unpersisted.append(node)
             return False
-        self._set_disk(node, entry)
+        self.tiers.set_disk(node, entry)
         for child in node.children.values():  # children stored before a split name the old id
             if child.data is not None and child.data.on_disk:
                 self.disk.set_parent(child.data.id, node.data.id)
@@ -587,6 +679,7 @@ class PrefixCache:
     # ============================================================================================
     # 4. persistence and budgets
     # ============================================================================================
+    @_fault_boundary(lambda self: None)
     def persist(self) -> None:
         """Write nodes created since the last call to disk (parents first)."""
         pending, self._unpersisted = self._unpersisted, []
@@ -596,33 +689,34 @@ class PrefixCache:
         self._enforce_budgets()
 
     def _enforce_budgets(self) -> None:
-        self._refresh_lazy()
+        self.tiers.refresh_lazy()
         self._shrink("device", self.budgets.device_bytes, self._evict_device)
         self._shrink("host", self.budgets.host_bytes, self._evict_host)
         self._shrink("disk", self.budgets.disk_bytes if self.disk else 0, self._evict_disk)
 
     def _shrink(self, tier: str, budget: int, evict: Callable[[TrieNode], bool]) -> None:
-        if self._bytes[tier] <= budget:
+        if self.tiers.bytes[tier] <= budget:
             return
-        live = {id(n) for n in self.trie.match(self.live).path}
+        live = {id(n) for slot in self.slots for n in self.trie.match(slot.live).path}
         resident = [n for n in self.trie.nodes() if getattr(n.data, f"{tier}_bytes") > 0]
-        # The live conversation's path last, then oldest first, deeper first on ties.
+        # The live conversations' paths last, then oldest first, deeper first on ties.
         resident.sort(key=lambda n: (id(n) in live, n.last_used, -n.start))
         for node in resident:
-            if self._bytes[tier] <= budget:
+            if self.tiers.bytes[tier] <= budget:
                 break
             if node.parent is not None and evict(node):  # still in the trie, and moved
-                self.evictions[tier] += 1
+                self.tiers.evictions[tier] += 1
 
     def _evict_device(self, node: TrieNode) -> bool:
         data = node.data
         if self.budgets.host_bytes > 0 and not data.on_host:
-            self._set_host(node, self._records(node))  # the next tier down, even if on disk
+            self.tiers.set_host(node, self._records(node))  # the next tier down, even if on disk
         elif not (data.on_host or data.on_disk):
             self._write_disk(node)
         if data.on_host or data.on_disk:
-            _close_all(data.device)
-            self._drop_device(node)
+            snaps = data.device
+            self.tiers.drop_device(node)
+            close_all(snaps)
             return True
         return self._shed(node)
 
@@ -631,14 +725,14 @@ class PrefixCache:
         if not data.on_disk:
             self._write_disk(node)
         if data.on_disk or data.on_device:
-            self._drop_host(node)
+            self.tiers.drop_host(node)
             return True
         return self._shed(node)
 
     def _evict_disk(self, node: TrieNode) -> bool:
         data = node.data
         if data.on_device or data.on_host:
-            self._drop_disk(node)
+            self.tiers.drop_disk(node)
             return True
         return self._shed(node)
 
@@ -649,19 +743,25 @@ class PrefixCache:
         if node.locks == 0 and node.is_leaf:
             self._drop_node(node)
             return True
-        if node.end <= len(self.live) and self._on_live_path(node):
+        holder = self._slot_holding(node)
+        if holder is not None:
             views = [c.snapshot(node.start, node.end) if k == "span" else None
-                     for c, k in zip(self.caches, self.kinds)]
-            self._clear_data(node)
-            self._set_device(node, views, tuple(v is not None for v in views))
+                     for c, k in zip(holder.caches, self.kinds)]
+            self.tiers.clear(node)
+            self.tiers.set_device(node, views, tuple(v is not None for v in views))
             return True
         if node.locks == 0:
             self._forget_subtree(node)
             return True
         return False
 
-    def _on_live_path(self, node: TrieNode) -> bool:
-        return self.trie.match(self.live[:node.end]).node_at(node.end - 1) is node
+    def _slot_holding(self, node: TrieNode) -> LiveSlot | None:
+        """A slot whose live caches hold the node's whole path (None: no slot does)."""
+        for slot in self.slots:
+            if node.end <= len(slot.live) and \
+                    self.trie.match(slot.live[:node.end]).node_at(node.end - 1) is node:
+                return slot
+        return None
 
     # ============================================================================================
     # Restart: rebuild the trie from the disk index
@@ -686,7 +786,7 @@ class PrefixCache:
                 node.data = NodeData(row.layers, row.node_id)
                 node.last_used = row.last_used
                 clock = max(clock, row.last_used)
-                self._set_disk(node, row.entry)
+                self.tiers.set_disk(node, row.entry)
                 placed += 1
                 stack.append((node, row.node_id))
         for orphans in by_parent.values():  # parents that were never stored or were dropped
@@ -700,15 +800,18 @@ class PrefixCache:
     # ============================================================================================
     def prefetch(self, prompt: TokenIds, should_stop: Callable[[], bool] = lambda: False) -> int:
         """Bring the stored part of ``prompt`` onto the device without running the model;
-        returns how many of its tokens are now there."""
-        self._require_idle()
-        prompt = as_ids(prompt)
+        returns how many of its tokens are now there (0 after a fault). Other sequences may be
+        running meanwhile: their pinned paths stay."""
+        return self._prefetch(as_ids(prompt), should_stop)
+
+    @_fault_boundary(lambda self, prompt, should_stop: 0)
+    def _prefetch(self, prompt: array, should_stop: Callable[[], bool]) -> int:
         match = self.trie.match(prompt)
         ready = 0
         for node in match.path:
             if should_stop():
                 break
-            if self._load_device(node) is None:
+            if self._load_device(node, prefetch=True) is None:
                 self._forget_unreadable(node)
                 break
             ready = min(node.end, match.length)
@@ -717,17 +820,25 @@ class PrefixCache:
         return ready
 
     def set_budgets(self, budgets: CacheBudgets) -> None:
-        """New budgets, enforced at once."""
-        self._require_idle()
+        """New budgets, enforced at once (running requests keep their pinned paths)."""
         self.budgets = budgets
+        self._guarded_enforce_budgets()
+
+    @_fault_boundary(lambda self: None)
+    def _guarded_enforce_budgets(self) -> None:
         self._enforce_budgets()
 
     def clear(self) -> None:
-        """Forget every stored prefix (all tiers) and the live caches."""
+        """Forget every stored prefix (all tiers) and every slot's live caches."""
         self._require_idle()
-        for cache in self.caches:
-            cache.free()
-        self.live = array("i")
+        self._clear()
+
+    @_fault_boundary(lambda self: self._drop_everything())
+    def _clear(self) -> None:
+        for slot in self.slots:
+            for cache in slot.caches:
+                cache.free()
+            slot.live = array("i")
         for node in list(self.trie.root.children.values()):
             self._forget_subtree(node)
         if self.disk is not None:
@@ -738,12 +849,20 @@ class PrefixCache:
         """Write what is pending and release the disk store (its writer lock). The cache keeps
         working from memory; what only the disk held is forgotten here (the files stay for the
         next process)."""
-        if self._request is None:
+        if not self.running:
             self.persist()
         if self.disk is None:
             return
+        try:
+            self._forget_disk_copies()
+        finally:
+            self.disk.close()
+            self.disk = self.tiers.disk = None
+
+    @_fault_boundary(lambda self: None)
+    def _forget_disk_copies(self) -> None:
         for node in list(self.trie.nodes()):
-            self._drop_disk(node, delete=False)
+            self.tiers.drop_disk(node, delete=False)
         stack = list(self.trie.root.children.values())
         while stack:
             node = stack.pop()
@@ -751,26 +870,23 @@ class PrefixCache:
                 self._forget_subtree(node)
             else:
                 stack.extend(node.children.values())
-        self.disk.close()
-        self.disk = None
 
     def stats(self) -> CacheStats:
-        self._refresh_lazy()
+        self.tiers.refresh_lazy()
         budgets = (self.budgets.device_bytes, self.budgets.host_bytes,
                    self.budgets.disk_bytes if self.disk else 0)
-        tiers = {t: TierStats(self._bytes[t], budget, self._entries[t], self.hits[t],
-                              self.evictions[t]) for t, budget in zip(TIERS, budgets)}
-        return CacheStats(tiers=tiers, nodes=len(self.trie), live_tokens=len(self.live),
-                          live_hits=self.hits["live"],
-                          disk_read_only=self.disk is not None and self.disk.read_only)
+        disk = self.disk
+        return CacheStats(tiers=self.tiers.tier_stats(budgets), nodes=len(self.trie),
+                          live_tokens=sum(len(slot.live) for slot in self.slots), live_hits=self.tiers.hits["live"],
+                          disk_read_only=disk is not None and disk.read_only,
+                          disk_mode=disk.mode if disk is not None else "off",
+                          disk_note=disk.note if disk is not None else "no disk tier")
 
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant (tests call this after every
         operation): trie structure, node data per tier, counter identities, the one lock."""
         self.trie.check()
-        self._refresh_lazy()
-        total = dict.fromkeys(TIERS, 0)
-        count = dict.fromkeys(TIERS, 0)
+        self.tiers.refresh_lazy()
         for node in self.trie.nodes():
             data = node.data
             assert data is not None, f"{node} has no data"
@@ -789,24 +905,23 @@ class PrefixCache:
                         assert s.start == node.start, f"{node}: span snapshot starts {s.start}"
             if data.on_host:
                 assert [r is not None for r in data.host] == list(data.layers)
-            for tier in TIERS:
-                total[tier] += getattr(data, f"{tier}_bytes")
-                count[tier] += getattr(data, f"on_{tier}")
-        assert total == self._bytes, f"byte counters {self._bytes} != stored {total}"
-        assert count == self._entries, f"entry counters {self._entries} != stored {count}"
+        total, count = self.tiers.stored(self.trie.nodes())
+        assert total == self.tiers.bytes, f"byte counters {self.tiers.bytes} != stored {total}"
+        assert count == self.tiers.entries, f"entry counters {self.tiers.entries} != stored {count}"
         locked = sum(c.locks for c in self.trie.root.children.values())
-        assert locked == (self._locked is not None), f"{locked} locked paths"
-        assert self._locked is None or self._request is not None, "a lock outlived its request"
-        if self._locked is not None:
-            cached = self._request.cached
-            assert self._locked.start < cached <= self._locked.end, \
-                f"lock {self._locked} vs restored {cached}"
+        pinned = [slot for slot in self.slots if slot.locked is not None]
+        assert locked == len(pinned), f"{locked} locked paths, {len(pinned)} pinned by slots"
+        for slot in pinned:
+            assert slot.request is not None, "a lock outlived its request"
+            cached = slot.request.cached
+            assert slot.locked.start < cached <= slot.locked.end, \
+                f"lock {slot.locked} vs restored {cached}"
 
     def within_budgets(self) -> bool:
-        self._refresh_lazy()
-        return (self._bytes["device"] <= self.budgets.device_bytes
-                and self._bytes["host"] <= self.budgets.host_bytes
-                and self._bytes["disk"] <= (self.budgets.disk_bytes if self.disk else 0))
+        self.tiers.refresh_lazy()
+        return (self.tiers.bytes["device"] <= self.budgets.device_bytes
+                and self.tiers.bytes["host"] <= self.budgets.host_bytes
+                and self.tiers.bytes["disk"] <= (self.budgets.disk_bytes if self.disk else 0))
 
     def _touch(self, nodes: list[TrieNode]) -> None:
         self.trie.touch(nodes)
@@ -815,20 +930,141 @@ class PrefixCache:
 
     @property
     def running(self) -> bool:
-        """True between ``begin`` and ``commit`` / ``abort``."""
-        return self._request is not None
+        """True while any slot's request runs (between ``begin`` and ``commit`` / ``abort``)."""
+        return any(slot.running for slot in self.slots)
 
     def _require_request(self) -> _Request:
         if self._request is None:
-            raise RuntimeError("no request is running: call begin() first")
+            raise PrefixCacheMisuse("no request is running: call begin() first")
         return self._request
 
     def _require_idle(self) -> None:
-        if self._request is not None:
-            raise RuntimeError("a request is running")
+        if self.running:
+            raise PrefixCacheMisuse("a request is running")
 
+    # ============================================================================================
+    # Faults: back to a consistent state (see "Faults" in the module docstring)
+    # ============================================================================================
+    def _recover(self, operation: str, exc: Exception) -> None:
+        """After ``exc`` ended ``operation`` early: no capture left scheduled, the trie without
+        any node whose data is missing or torn, no lock but the running request's own, the
+        counters rebuilt. The live caches are kept only while a request still writes them
+        (a fault while attaching captures) or, when idle, while the trie still holds what
+        they hold; otherwise they are dropped and the next request restores or recomputes."""
+        self.faults += 1
+        kind = f"{operation.strip('_')}: {type(exc).__name__}"
+        if kind not in self._faults_logged:
+            self._faults_logged.add(kind)
+            log.error("prefix cache: a fault in %s (%s); the cache recovered and the turn goes "
+                      "on without it", operation.strip("_"), exc, exc_info=exc)
+        own = self._slot if operation in _SLOT_OPERATIONS else None
+        writing = own is not None and own.running and operation == "_attach_captures"
+        if own is not None:
+            for cache in own.caches:
+                try:
+                    close_all(cache.take_snapshots())
+                    cache.cancel_snapshots()
+                except Exception:
+                    pass  # its captures are lost; the request still writes its caches
+            if writing:
+                own.request.offsets = []
+            else:
+                own.request = None  # a fault while restoring or ending it: the caches in doubt
+        try:
+            self._repair_trie()
+            for slot in self.slots:
+                if slot.running:
+                    self._relock_restored(slot)
+                elif slot is own or not self._trie_holds(slot.live):
+                    self._drop_live_caches(slot)
+            self._enforce_budgets()
+        except Exception as again:  # the trie itself is beyond repair: start it afresh
+            log.error("prefix cache: recovery failed (%s); every stored prefix is dropped",
+                      again, exc_info=again)
+            self._drop_everything()
+            for slot in self.slots:
+                if not slot.running:
+                    self._drop_live_caches(slot)
 
-def _close_all(snaps) -> None:
-    for snap in snaps:
-        if snap is not None:
-            snap.close()
+    def _repair_trie(self) -> None:
+        """Forget every node (with its subtree) whose data is missing, on no tier, or whose
+        copies disagree with its layers; clear every lock; rebuild the counters."""
+        for node in self.trie.nodes():
+            node.locks = 0
+        for slot in self.slots:
+            slot.locked = None
+        for node in list(self.trie.nodes()):  # parents first
+            if node.parent is not None and not self._intact(node):
+                self._drop_subtree_quietly(node)
+        self._unpersisted = [n for n in self._unpersisted
+                             if n.parent is not None and n.data is not None]
+        self.tiers.recount(list(self.trie.nodes()))
+
+    def _intact(self, node: TrieNode) -> bool:
+        data = node.data
+        if not isinstance(data, NodeData) or data.tiers() == 0:
+            return False
+        layers = list(data.layers)
+        if len(layers) != len(self.caches):
+            return False
+        if not all(layers[j] for j, kind in enumerate(self.kinds) if kind == "span"):
+            return False
+        if data.on_device:
+            if [s is not None for s in data.device] != layers:
+                return False
+            for j, snap in enumerate(data.device):
+                if snap is not None and (snap.end != node.end or (
+                        self.kinds[j] == "span" and snap.start != node.start)):
+                    return False
+        return not data.on_host or [r is not None for r in data.host] == layers
+
+    def _drop_subtree_quietly(self, node: TrieNode) -> None:
+        """Forget a subtree whose data may be torn: snapshots closed where they still can be,
+        stored files deleted, the counters left to ``recount``."""
+        for child in list(node.children.values()):
+            self._drop_subtree_quietly(child)
+        data = node.data
+        if isinstance(data, NodeData):
+            for snap in data.device or ():
+                try:
+                    if snap is not None:
+                        snap.close()
+                except Exception:
+                    pass  # already closed, or handed on before the fault
+            if data.on_disk and self.disk is not None:
+                self.disk.delete(data.id)
+            data.device = data.host = data.disk = None
+        self.tiers.lazy.discard(node)
+        node.locks = 0
+        self.trie.remove_leaf(node)
+
+    def _relock_restored(self, slot: LiveSlot) -> None:
+        """Pin a running request's restored path again, where the repair left it."""
+        request = slot.request
+        if request.cached == 0:
+            return
+        match = self.trie.match(request.prompt[:request.cached])
+        if match.length == request.cached:
+            self._relock(match.node_at(request.cached - 1), slot)
+
+    def _trie_holds(self, ids: array) -> bool:
+        return not ids or self.trie.match(ids).length == len(ids)
+
+    def _drop_live_caches(self, slot: LiveSlot) -> None:
+        for cache in slot.caches:
+            cache.free()
+        slot.live = array("i")
+
+    def _drop_everything(self) -> None:
+        """The last resort: a fresh trie (device snapshots closed where they can be)."""
+        for node in list(self.trie.root.children.values()):
+            try:
+                self._drop_subtree_quietly(node)
+            except Exception:
+                pass
+        self.trie = PrefixTrie()
+        for slot in self.slots:
+            slot.locked = None
+        self._unpersisted = []
+        self.tiers.recount([])
+

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from backend.errors import ConfigError, UnknownArchitectureError
-from backend.models import gemma3, llama, qwen3_moe, qwen3_next
+from backend.models import gemma3, gemma4, glm4_moe_lite, llama, qwen3_5, qwen3_moe, qwen3_next
 from backend.models.base import Architecture, ModelConfig
 
 ARCHITECTURES: dict[str, Architecture] = {
     name: module
-    for module in (llama, gemma3, qwen3_moe, qwen3_next)
+    for module in (llama, gemma3, gemma4, qwen3_moe, qwen3_next, qwen3_5, glm4_moe_lite)
     for name in module.MODEL_TYPES
 }
 

@@ -69,13 +69,20 @@ class LanguageModel(Protocol):
         ...
 
     def make_caches(self) -> list[Cache]:
-        """One fresh cache per layer; the model chooses each layer's cache kind."""
+        """One fresh cache per layer that holds state; the model chooses each layer's cache kind.
+        A layer that reads another layer's keys and values (Gemma 4's KV-shared layers) has
+        none: the model hands it its source's history."""
         ...
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Checkpoint tensors -> this module tree's parameter names and layouts. May settle
         checkpoint-dependent structure (a shipped ``lm_head``); ``CheckpointError`` naming the
         tensor when the checkpoint cannot fit."""
+        ...
+
+    def parameter_name(self, checkpoint_name: str) -> str | None:
+        """The name ``sanitize`` gives a checkpoint's tensor or module (None: one it drops);
+        the loader reads per-module quantization settings through it."""
         ...
 
 

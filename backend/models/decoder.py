@@ -16,6 +16,25 @@ from backend.caches.base import Cache
 from backend.models.layers import RMSNorm
 
 
+#: A multimodal checkpoint's language-model prefixes -> the decoder's own (first match wins):
+#: Hugging Face ``model.language_model.*``, mlx-community ``language_model.model.*`` and
+#: ``language_model.lm_head``.
+MULTIMODAL_TEXT_PREFIXES = (("model.language_model.", "model."),
+                            ("language_model.model.", "model."), ("language_model.", ""))
+
+
+def multimodal_text_name(checkpoint_name: str, other_modalities: tuple[str, ...]) -> str | None:
+    """The decoder's name for a multimodal checkpoint's tensor or module name: the language
+    model's renamed (``MULTIMODAL_TEXT_PREFIXES``), None for another modality's (names that
+    start with one of ``other_modalities``, after an optional ``model.``); others unchanged."""
+    if checkpoint_name.removeprefix("model.").startswith(other_modalities):
+        return None
+    for prefix, own in MULTIMODAL_TEXT_PREFIXES:
+        if checkpoint_name.startswith(prefix):
+            return own + checkpoint_name[len(prefix):]
+    return checkpoint_name
+
+
 class PreNormDecoderLayer(nn.Module):
     """The Llama-style residual block: ``h = x + self_attn(input_layernorm(x))``, then
     ``h + mlp(post_attention_layernorm(h))``. Subclasses build those four modules.
@@ -98,6 +117,23 @@ class DecoderModel(nn.Module):
         if self.tied_head:
             return self.model.embed_tokens.as_linear(hidden)
         return self.lm_head(hidden)
+
+    def parameter_name(self, checkpoint_name: str) -> str | None:
+        """This module tree's name for a checkpoint's tensor or module name: the renaming
+        ``sanitize`` applies (None: a name it drops). Families whose checkpoints nest the
+        decoder under another prefix override it."""
+        return checkpoint_name
+
+    def renamed_weights(self, weights: dict[str, mx.array]) -> tuple[dict[str, mx.array], int]:
+        """``weights`` under this tree's names (``parameter_name``), and how many it dropped."""
+        renamed, dropped = {}, 0
+        for name, value in weights.items():
+            own = self.parameter_name(name)
+            if own is None:
+                dropped += 1
+            else:
+                renamed[own] = value
+        return renamed, dropped
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Drop precomputed RoPE frequencies (the module computes its own), and give a tied

@@ -16,7 +16,9 @@ and ``rope_scaling`` at the top level. Both are read.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -67,8 +69,7 @@ class ModelArgs:
             raise ConfigError("bidirectional (embedding) Gemma 3 models are not supported")
         block = config_mapping(config, "rope_parameters")
         if FULL in block or SLIDING in block:
-            global_rope = rope_settings({"rope_parameters": block.get(FULL)}, 1000000.0)
-            local_rope = rope_settings({"rope_parameters": block.get(SLIDING)}, 10000.0)
+            global_rope, local_rope = rope_by_attention_type(block)
         else:
             global_rope = rope_settings(config, 1000000.0)
             local_rope = rope_settings(config, 10000.0, theta_key="rope_local_base_freq",
@@ -80,11 +81,27 @@ class ModelArgs:
         if args.layer_types is None:
             args.layer_types = [SLIDING if (i + 1) % args.sliding_window_pattern else FULL
                                 for i in range(args.num_hidden_layers)]
-        if len(args.layer_types) != args.num_hidden_layers or not set(args.layer_types) <= {
-                SLIDING, FULL}:
-            raise ConfigError(f"layer_types {args.layer_types} does not describe "
-                              f"{args.num_hidden_layers} sliding/full attention layers")
+        check_layer_types(args.layer_types, args.num_hidden_layers)
         return args
+
+
+def rope_by_attention_type(block: Mapping[str, Any]) -> tuple[RopeSettings, RopeSettings]:
+    """(global, local) RoPE settings from a ``rope_parameters`` block nested per attention type
+    (``{"full_attention": {...}, "sliding_attention": {...}}``); bases default to 1e6 / 1e4."""
+    return (rope_settings({"rope_parameters": block.get(FULL)}, 1000000.0),
+            rope_settings({"rope_parameters": block.get(SLIDING)}, 10000.0))
+
+
+def check_layer_types(layer_types: list[str], num_layers: int) -> None:
+    """``layer_types`` names one sliding or full attention layer per decoder layer."""
+    if len(layer_types) != num_layers or not set(layer_types) <= {SLIDING, FULL}:
+        raise ConfigError(f"layer_types {layer_types} does not describe {num_layers} "
+                          "sliding/full attention layers")
+
+
+def soft_cap(logits: mx.array, cap: float | None) -> mx.array:
+    """Gemma's final logit soft-capping: ``cap * tanh(logits / cap)`` (None: unchanged)."""
+    return logits if cap is None else mx.tanh(logits / cap) * cap
 
 
 class DecoderLayer(nn.Module):
@@ -120,9 +137,7 @@ class Model(DecoderModel):
                                         embed_scale=args.hidden_size ** 0.5))
 
     def logits(self, hidden: mx.array) -> mx.array:
-        out = super().logits(hidden)
-        cap = self.args.final_logit_softcapping
-        return out if cap is None else mx.tanh(out / cap) * cap
+        return soft_cap(super().logits(hidden), self.args.final_logit_softcapping)
 
     def make_caches(self) -> list[Cache]:
         return [RotatingKVCache(self.args.sliding_window) if layer.is_sliding else KVCache()

@@ -3,8 +3,10 @@
 Experts are *stacked* per layer: one ``(experts, out, in)`` weight per projection. Two ways to
 apply them, chosen by how many token-expert pairs a write has:
 
-* few (decode, verify blocks): MLX's gather matmuls (``mx.gather_mm``, ``mx.gather_qmm`` once
-  quantized) — each pair reads only its expert's weights, no host round trip;
+* few (decode, verify blocks): one product per pair — each pair reads only its expert's
+  weights, no host round trip. With the CPU kernels (``native_ops``) the pairs of one expert
+  share a pass over its weights (``kernels.gather_linear``); otherwise MLX's gather matmuls
+  (``mx.gather_mm``, ``mx.gather_qmm`` once quantized);
 * many (prefill chunks): sort the pairs by expert and run one dense matmul per expert over its
   tokens. On the CPU, gather_mm does a matrix-vector product per pair and re-reads an expert's
   weights for every token routed to it; grouping costs one host sync per MoE layer per chunk and
@@ -27,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from backend import kernels
 from backend.errors import CheckpointError, ConfigError
 from backend.models.layers import ACTIVATIONS, GatedMLP
 
@@ -41,8 +44,19 @@ GROUPED_PAIRS_PER_EXPERT = 2
 VERIFY_ROWS = 16
 
 
+def _pairs(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array]:
+    """``x`` (..., 1, in) and ``indices`` (...) as ``gather_mm`` pairs them (leading dims
+    broadcast) -> one row per pair (lead..., in) and its index (lead...)."""
+    lead = mx.broadcast_shapes(x.shape[:-2], indices.shape)
+    return mx.broadcast_to(x.squeeze(-2), (*lead, x.shape[-1])), mx.broadcast_to(indices, lead)
+
+
 class SwitchLinear(nn.Module):
-    """``experts`` stacked linear maps without bias: weight ``(experts, out, in)``."""
+    """``experts`` stacked linear maps without bias: weight ``(experts, out, in)``. Also the
+    per-head matrices of an attention layer (one "expert" per head)."""
+
+    #: Products through the native CPU kernel (set by ``use_cpu_kernels``).
+    native_ops = False
 
     def __init__(self, input_dims: int, output_dims: int, experts: int):
         super().__init__()
@@ -51,6 +65,11 @@ class SwitchLinear(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         # x (..., 1, in) gathers against weight[indices] -> (..., 1, out)
+        if self.native_ops:
+            rows, index = _pairs(x, indices)
+            y = kernels.gather_linear(rows, self.weight, index)
+            if y is not None:
+                return mx.expand_dims(y, -2)
         return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices)
 
     def expert(self, x: mx.array, index: int) -> mx.array:
@@ -68,6 +87,9 @@ class SwitchLinear(nn.Module):
 class QuantizedSwitchLinear(nn.Module):
     """Stacked experts quantized per expert row group: packed ``weight``, ``scales``, ``biases``."""
 
+    #: Products through the native CPU kernel (set by ``use_cpu_kernels``).
+    native_ops = False
+
     def __init__(self, input_dims: int, output_dims: int, experts: int, group_size: int = 64,
                  bits: int = 4, mode: str = "affine"):
         super().__init__()
@@ -81,6 +103,12 @@ class QuantizedSwitchLinear(nn.Module):
         self.freeze()
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if self.native_ops:
+            rows, index = _pairs(x, indices)
+            y = kernels.gather_quantized_linear(rows, self.weight, self.scales, self.biases,
+                                                index, self.group_size, self.bits)
+            if y is not None:
+                return mx.expand_dims(y, -2)
         return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices,
                              transpose=True, group_size=self.group_size, bits=self.bits)
 

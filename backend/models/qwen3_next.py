@@ -2,11 +2,9 @@
 
 Layer mix (``layer_types``, or every ``full_attention_interval``-th layer full):
 
-* ``linear_attention`` — ``GatedDeltaNet`` on a ``RecurrentCache``: one projection gives q, k, v,
-  the output gate z and the per-head beta/decay inputs; q, k, v pass a causal depthwise conv
-  (kernel ``linear_conv_kernel_dim``) and SiLU; q and k are L2-normalised; the gated delta rule
-  (``caches/scan.py``) runs chunked in parallel for prefill and per token for decode; the output
-  is RMS-normed per head, gated by SiLU(z) and projected back.
+* ``linear_attention`` — ``GatedDeltaNet`` on a ``RecurrentCache``: one projection gives q, k, v
+  and the output gate z, another the per-head beta/decay inputs; the rest (conv, the gated delta
+  rule, the gated norm) is the mixer shared with Qwen3.5 (``gated_delta.py``).
 * ``full_attention`` — standard attention on a ``KVCache`` whose q projection also emits a
   per-head sigmoid output gate, with (1 + w) q/k RMSNorms and partial rotary embeddings
   (``partial_rotary_factor`` of each head).
@@ -39,7 +37,6 @@ import mlx.nn as nn
 from backend.caches.base import Cache
 from backend.caches.kv import ContiguousHistory, KVCache
 from backend.caches.recurrent import RecurrentCache
-from backend.caches.scan import causal_conv1d, gated_delta, parallel_groups, run_on_streams
 from backend.errors import CheckpointError, ConfigError
 from backend.models.base import (
     ZERO_ALLOWED,
@@ -49,6 +46,7 @@ from backend.models.base import (
     one_of,
 )
 from backend.models.decoder import Backbone, DecoderModel
+from backend.models.gated_delta import GatedDeltaMixer
 from backend.models.layers import ACTIVATIONS, Attention, AttentionShape, GatedMLP, RMSNorm
 from backend.models.moe import SparseMoE, check_routing, is_sparse_layer, stack_experts
 from backend.models.rope import RoPE, RopeSettings, rope_settings
@@ -67,7 +65,6 @@ class ModelArgs:
     model_type: str
     hidden_size: int
     num_hidden_layers: int
-    intermediate_size: int
     num_attention_heads: int
     num_key_value_heads: int
     vocab_size: int
@@ -78,6 +75,8 @@ class ModelArgs:
     linear_conv_kernel_dim: int = 4
     head_dim: int | None = None
     rms_norm_eps: float = 1e-6
+    # Dense MLP width; a model whose every MLP is sparse (Qwen3.5-MoE) gives none.
+    intermediate_size: int = field(default=0, metadata=ZERO_ALLOWED)
     num_experts: int = field(default=0, metadata=ZERO_ALLOWED)  # 0: dense MLPs only
     num_experts_per_tok: int = 1
     decoder_sparse_step: int = 1
@@ -126,6 +125,10 @@ class ModelArgs:
             if not args.moe_intermediate_size:
                 raise ConfigError("moe_intermediate_size must be a positive integer when "
                                   f"num_experts is {args.num_experts}")
+        dense = [i for i in range(args.num_hidden_layers) if not args.is_sparse(i)]
+        if dense and not args.intermediate_size:
+            raise ConfigError(f"intermediate_size must be a positive integer: layer {dense[0]} "
+                              "has a dense MLP")
         return args
 
     def is_sparse(self, layer: int) -> bool:
@@ -133,41 +136,18 @@ class ModelArgs:
                                self.decoder_sparse_step)
 
 
-class GatedRMSNorm(nn.Module):
-    """RMSNorm over each head's values, then times SiLU(gate)."""
-
-    def __init__(self, dims: int, eps: float):
-        super().__init__()
-        self.weight = mx.ones((dims,))
-        self.eps = eps
-
-    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, self.weight, self.eps) * nn.silu(gate.astype(mx.float32)
-                                                                    ).astype(x.dtype)
-
-
-class GatedDeltaNet(nn.Module):
-    """Linear attention with the gated delta rule; state in a ``RecurrentCache``."""
+class GatedDeltaNet(GatedDeltaMixer):
+    """The gated-delta mixer with Qwen3-Next's fused projections: ``in_proj_qkvz`` and
+    ``in_proj_ba`` (rows regrouped by kind in ``sanitize``)."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.num_k_heads, self.num_v_heads = args.linear_num_key_heads, args.linear_num_value_heads
-        self.head_k_dim, self.head_v_dim = args.linear_key_head_dim, args.linear_value_head_dim
-        self.key_dim = self.num_k_heads * self.head_k_dim
-        self.value_dim = self.num_v_heads * self.head_v_dim
-        self.conv_dim = 2 * self.key_dim + self.value_dim
-        kernel = args.linear_conv_kernel_dim
+        super().__init__(args)
         self.in_proj_qkvz = nn.Linear(args.hidden_size, 2 * self.key_dim + 2 * self.value_dim,
                                       bias=False)
         self.in_proj_ba = nn.Linear(args.hidden_size, 2 * self.num_v_heads, bias=False)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim,
-                                bias=False)  # weight (C, K, 1); applied by scan.causal_conv1d
-        self.dt_bias = mx.ones((self.num_v_heads,))
-        self.A_log = mx.zeros((self.num_v_heads,))
-        self.norm = GatedRMSNorm(self.head_v_dim, args.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, args.hidden_size, bias=False)
 
-    def _split_projections(self, x: mx.array):
+    def _split_projections(self, x: mx.array
+                           ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         b, n, _ = x.shape
         qkvz = self.in_proj_qkvz(x)  # [q | k | v | z] (rows reordered by sanitize)
         mixed = qkvz[..., :self.conv_dim]  # (B, N, conv_dim): what the conv sees
@@ -175,82 +155,16 @@ class GatedDeltaNet(nn.Module):
         beta_in, decay_in = mx.split(self.in_proj_ba(x), 2, axis=-1)  # [b | a], (B, N, Hv) each
         return mixed, z, beta_in, decay_in
 
-    def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
-        b, n, _ = x.shape
-        mixed, z, beta_in, decay_in = self._split_projections(x)
-        bounds = cache.boundaries(n)
-        beta = mx.sigmoid(beta_in.astype(mx.float32))  # (B, N, Hv)
-        log_g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(
-            decay_in.astype(mx.float32) + self.dt_bias.astype(mx.float32))
-        groups = parallel_groups(self.num_k_heads, n)
-        per_group = run_on_streams(
-            lambda g: self._mix_heads(g, groups, mixed, z, beta, log_g, cache, bounds),
-            range(groups))
-        if groups == 1:
-            y, conv_states, delta_states = per_group[0]
-        else:
-            y = mx.concatenate([r[0] for r in per_group], axis=2)
-            conv_states = [self._join_conv_states([r[1][i] for r in per_group])
-                           for i in range(len(bounds))]
-            delta_states = [mx.concatenate([r[2][i] for r in per_group], axis=1)
-                            for i in range(len(bounds))]
-        cache.advance(n, conv_states, delta_states)
-        return self.out_proj(y.reshape(b, n, -1))
-
-    def _group_columns(self, group: int, groups: int) -> list[tuple[int, int]]:
-        """Conv channel ranges of key-head group ``group``: its q, k and v columns."""
-        qk = self.key_dim // groups
-        vv = self.value_dim // groups
-        return [(group * qk, (group + 1) * qk),
-                (self.key_dim + group * qk, self.key_dim + (group + 1) * qk),
-                (2 * self.key_dim + group * vv, 2 * self.key_dim + (group + 1) * vv)]
-
-    def _join_conv_states(self, parts: list[mx.array]) -> mx.array:
-        """Per-group conv states ([q_g | k_g | v_g] each) -> [all q | all k | all v]."""
-        groups = len(parts)
-        qk, vv = self.key_dim // groups, self.value_dim // groups
-        pieces = [p[..., :qk] for p in parts] + [p[..., qk:2 * qk] for p in parts] + [
-            p[..., 2 * qk:2 * qk + vv] for p in parts]
-        return mx.concatenate(pieces, axis=-1)
-
-    def _mix_heads(self, group: int, groups: int, mixed: mx.array, z: mx.array, beta: mx.array,
-                   log_g: mx.array, cache: RecurrentCache, bounds: list[int]):
-        """Conv, normalisation, gated delta scan and gated norm for one group of key heads and
-        their value heads: (y (B, N, Hv/groups, Dv), conv states, delta states) at ``bounds``."""
-        b, n, _ = mixed.shape
-        weight, state = self.conv1d.weight[..., 0], cache.conv  # (C, K), (B, K-1, C)
-        if groups > 1:
-            cols = self._group_columns(group, groups)
-            mixed = mx.concatenate([mixed[..., lo:hi] for lo, hi in cols], axis=-1)
-            weight = mx.concatenate([weight[lo:hi] for lo, hi in cols], axis=0)
-            if state is not None:
-                state = mx.concatenate([state[..., lo:hi] for lo, hi in cols], axis=-1)
-        conv_out, conv_states = causal_conv1d(mixed, weight, state, bounds)
-        conv_out = nn.silu(conv_out)
-        hk, hv = self.num_k_heads // groups, self.num_v_heads // groups
-        key_width = hk * self.head_k_dim
-        q, k, v = mx.split(conv_out, [key_width, 2 * key_width], axis=-1)
-        q = q.reshape(b, n, hk, self.head_k_dim)
-        k = k.reshape(b, n, hk, self.head_k_dim)
-        v = v.reshape(b, n, hv, self.head_v_dim)
-        # L2-normalise (eps 1e-6 on the sum of squares) and fold the readout scale into q:
-        # rms_norm with eps / D is sqrt(D) * l2norm.
-        inv = self.head_k_dim ** -0.5
-        q = mx.fast.rms_norm(q, None, 1e-6 * inv * inv) * (inv * inv)
-        k = mx.fast.rms_norm(k, None, 1e-6 * inv * inv) * inv
-        heads = slice(group * hv, (group + 1) * hv)
-        delta = None if cache.delta is None else cache.delta[:, heads]
-        y, delta_states = gated_delta(q, k, v, log_g[..., heads], beta[..., heads], delta, bounds)
-        y = self.norm(y.astype(mixed.dtype), z[:, :, heads])  # (B, N, Hv/groups, Dv)
-        return y, conv_states, delta_states
-
 
 class DecoderLayer(nn.Module):
+    #: The gated-delta mixer of the linear-attention layers (its projection layout).
+    linear_mixer: type[GatedDeltaMixer] = GatedDeltaNet
+
     def __init__(self, args: ModelArgs, index: int, full_attention: bool = False):
         super().__init__()
         self.is_linear = not full_attention and args.layer_types[index] == LINEAR
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(args)
+            self.linear_attn = self.linear_mixer(args)
         else:
             shape = AttentionShape.from_args(
                 args, qk_norm_eps=args.rms_norm_eps, qk_norm_offset=1.0, output_gate=True)
@@ -331,8 +245,11 @@ class MTPHead(nn.Module):
 
 
 class Model(DecoderModel):
+    #: The decoder layer (its linear mixer's projection layout).
+    decoder_layer: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, args: ModelArgs):
-        super().__init__(args, Backbone(args, [DecoderLayer(args, i)
+        super().__init__(args, Backbone(args, [self.decoder_layer(args, i)
                                                for i in range(args.num_hidden_layers)],
                                         norm_offset=1.0))
 
@@ -360,14 +277,8 @@ class Model(DecoderModel):
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         weights = super().sanitize(weights)
         head = {k: v for k, v in weights.items() if k.startswith("mtp.")}
-        weights = {k: v for k, v in weights.items() if not k.startswith("mtp.")}
-        qkvz_rows, ba_rows = self._grouping_orders()
-        for key in list(weights):
-            # Output rows (and their quantization scales/biases, which are per row) reorder.
-            if ".linear_attn.in_proj_qkvz." in key:
-                weights[key] = _reorder_rows(key, weights[key], qkvz_rows)
-            elif ".linear_attn.in_proj_ba." in key:
-                weights[key] = _reorder_rows(key, weights[key], ba_rows)
+        weights = self._regroup_projections(
+            {k: v for k, v in weights.items() if not k.startswith("mtp.")})
         for i in range(self.args.num_hidden_layers):
             if self.args.is_sparse(i):
                 weights = stack_experts(weights, f"model.layers.{i}.mlp", self.args.num_experts)
@@ -385,6 +296,17 @@ class Model(DecoderModel):
                 weights[key] = weights[key] - 1.0
         elif head:
             weights.update(self._add_head(head))
+        return weights
+
+    def _regroup_projections(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """The fused projections' rows regrouped by kind (``_grouping_orders``)."""
+        qkvz_rows, ba_rows = self._grouping_orders()
+        for key in list(weights):
+            # Output rows (and their quantization scales/biases, which are per row) reorder.
+            if ".linear_attn.in_proj_qkvz." in key:
+                weights[key] = _reorder_rows(key, weights[key], qkvz_rows)
+            elif ".linear_attn.in_proj_ba." in key:
+                weights[key] = _reorder_rows(key, weights[key], ba_rows)
         return weights
 
     def _add_head(self, head: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -1,4 +1,4 @@
-"""Rotary position embeddings: default, linear, llama3 and yarn scaling.
+"""Rotary position embeddings: default, linear, llama3, yarn and proportional (Gemma 4) RoPE.
 
 Configs name RoPE either with top-level keys (``rope_theta``, ``rope_scaling``) or, in newer
 Hugging Face configs, a ``rope_parameters`` block holding theta and the scaling type together;
@@ -24,12 +24,13 @@ from backend.models.base import config_mapping, is_number
 @dataclass(frozen=True)
 class RopeSettings:
     theta: float
-    kind: str = "default"  # default | linear | llama3 | yarn
+    kind: str = "default"  # default | linear | llama3 | yarn | proportional
     params: dict = field(default_factory=dict)
 
 
 #: Parameters each scaling kind needs, and the numeric ones it may take (all must be > 0).
-_REQUIRED = {"default": (), "linear": ("factor",), "llama3": ("factor",), "yarn": ("factor",)}
+_REQUIRED = {"default": (), "linear": ("factor",), "llama3": ("factor",), "yarn": ("factor",),
+             "proportional": ()}
 _POSITIVE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
              "beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim")
 
@@ -58,6 +59,10 @@ def rope_settings(config: Mapping[str, Any], default_theta: float = 10000.0,
         value = params.get(key)
         if value is not None and (not is_number(value) or value <= 0):
             raise ConfigError(f"rope_scaling.{key} must be a positive number, got {value!r}")
+    if kind == "proportional":
+        share = params.get("partial_rotary_factor", 1.0)
+        if not is_number(share) or not 0 < share <= 1:
+            raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {share!r}")
     if kind == "llama3" and params.get("low_freq_factor", 1.0) == params.get(
             "high_freq_factor", 4.0):
         raise ConfigError("llama3 RoPE scaling needs low_freq_factor != high_freq_factor")
@@ -77,6 +82,18 @@ def _llama3_periods(dims: int, theta: float, p: dict) -> mx.array:
     smooth = (old_ctx / wavelens - low) / (high - low)
     mid = periods / ((1 - smooth) / factor + smooth)
     return mx.where(is_mid, mid, periods)
+
+
+def _proportional_periods(dims: int, theta: float, p: dict) -> mx.array:
+    """Gemma 4's partial rotation of a whole head: the first ``partial_rotary_factor`` of the
+    rotate-half pairs turn with the frequencies a ``dims``-wide head would give them (the
+    exponent's denominator stays ``dims``), the other pairs not at all (an infinite period),
+    all periods slowed by ``factor``. Unlike a rotation of the first dims only, each pair is
+    still (i, i + dims / 2)."""
+    angles = int(p.get("partial_rotary_factor", 1.0) * dims // 2)
+    exponents = mx.arange(0, 2 * angles, 2, dtype=mx.float32) / dims
+    turning = p.get("factor", 1.0) * theta ** exponents
+    return mx.concatenate([turning, mx.full((dims // 2 - angles,), mx.inf)])
 
 
 def _yarn(dims: int, theta: float, p: dict) -> tuple[mx.array, float]:
@@ -129,6 +146,8 @@ class RoPE(nn.Module):
             self.scale = 1.0 / p["factor"]
         elif settings.kind == "llama3":
             self._periods, self.base = _llama3_periods(dims, settings.theta, p), None
+        elif settings.kind == "proportional":
+            self._periods, self.base = _proportional_periods(dims, settings.theta, p), None
         elif settings.kind == "yarn":
             self._periods, self.out_scale = _yarn(dims, settings.theta, p)
             self.base = None

@@ -189,12 +189,25 @@ def read_checkpoint(folder: Path, source: Path | None = None
         except Exception as exc:  # MLX raises plain RuntimeError/ValueError for bad files
             raise ModelLoadError(f"{path}: unreadable safetensors ({exc})") from None
     model = module.Model(args)
+    quant = _renamed_overrides(model, quant)
     try:
         weights = model.sanitize(weights)
         check_weights(model, weights, quant)
     except CheckpointError as exc:
         raise CheckpointError(f"{source}: {exc}") from None
     return config, model, weights, quant
+
+
+def _renamed_overrides(model: LanguageModel, quant: Quantization) -> Quantization:
+    """Per-module quantization overrides under the model's own module names: the config names
+    modules as the checkpoint does, which may nest the decoder (``language_model.model.*``)."""
+    default, overrides = quant
+    renamed = {}
+    for name, spec in overrides.items():
+        own = model.parameter_name(name)
+        if own is not None:
+            renamed[own] = spec
+    return default, renamed
 
 
 def check_weights(model: LanguageModel, weights: dict[str, mx.array],

@@ -1,0 +1,236 @@
+"""LatentCache: what a multi-head latent attention (MLA) layer keeps per token, with lazy snapshots.
+
+An MLA layer (DeepSeek-V2/V3, GLM-4.7-Flash; ``models/glm4_moe_lite.py``) never stores per-head
+keys and values. Per token it keeps one compressed latent (``kv_lora_rank`` values, already
+RMS-normed), from which every head's key and value are linear maps, and one rotary key shared by
+all heads (``qk_rope_head_dim`` values, already rotated). For GLM-4.7-Flash that is 512 + 64
+values per token and layer where its 20 heads' keys and values would take 20 x (256 + 256):
+5.6% of the bytes, on every tier of the prefix cache.
+
+Storage: one buffer ``(B, 1, slots, latent + rope)``, each slot ``[latent | rotary key]``,
+slot i = position i, grown in ``STEP``-token blocks so decode appends in place. The history
+handed to attention is two views of it (no copy): ``keys`` = whole entries ``(B, 1, S, latent +
+rope)`` and ``values`` = their latent part ``(B, 1, S, latent)``. In the absorbed form a query
+is ``[q_nope absorbed into the latent space | rotated q_rope]``, so its score against a
+position is one dot product with the entry and the attention output stays in the latent space
+(the layer maps it to each head's values afterwards): one shared "kv head", which the CPU
+attention kernel and MLX's attention both take as grouped-query attention.
+
+Snapshots follow ``KVCache`` (``caches/kv.py``): a ``LatentSnapshot`` of ``[start, end)`` is an
+index range of the live buffer (zero bytes) until the cache is about to overwrite or free those
+slots, when it is copied out into a compact array of exactly its range. The bookkeeping they
+share (lazy snapshot list, schedule, offset) is ``LazyKVStorage``'s; the buffer is this module's
+own, since an MLA entry is one array, not a key and a value.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from backend.caches.export import make_record, read_record
+from backend.caches.kv import ContiguousHistory, LazyKVStorage
+from backend.memory.records import SnapshotRecord
+
+STEP = 256
+
+
+class LatentSnapshot:
+    """The entries of positions ``[start, end)``: a view ``owner._view(start, end)`` while lazy,
+    then an owned ``(B, 1, end - start, latent + rope)`` array."""
+
+    def __init__(self, owner: "LatentCache | None", start: int, end: int,
+                 entries: mx.array | None = None):
+        self.start = start
+        self.end = end
+        self._owner = owner
+        self._entries = entries
+
+    @property
+    def is_lazy(self) -> bool:
+        return self._owner is not None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._entries is None else self._entries.nbytes
+
+    def entries(self) -> mx.array:
+        """The entries of ``[start, end)`` in position order (a view while lazy)."""
+        if self._owner is not None:
+            return self._owner._view(self.start, self.end)
+        if self._entries is None:
+            raise ValueError(f"snapshot [{self.start}, {self.end}) was closed")
+        return self._entries
+
+    def _copy_out(self) -> None:
+        # contiguous allocates exactly this range (a slice alone would keep the buffer alive).
+        self._entries = mx.contiguous(self._owner._view(self.start, self.end))
+        mx.eval(self._entries)
+        self._owner = None
+
+    def close(self) -> None:
+        if self._owner is not None:
+            self._owner._forget(self)
+        self._owner = None
+        self._entries = None
+
+
+class LatentCache(LazyKVStorage):
+    """An MLA layer's cache; see the module docstring and ``caches.base`` for the contract.
+
+    ``latent_dims``: the latent's width (``kv_lora_rank``); the rest of an entry is the rotary
+    key. ``self.keys`` is the entry buffer; ``self.values`` stays None (values are its latent
+    part, a view)."""
+
+    can_rewind = True
+    snapshot_kind = "span"
+    _record_kind = "latent"
+
+    def __init__(self, latent_dims: int) -> None:
+        if latent_dims < 1:
+            raise ValueError(f"latent_dims must be >= 1, got {latent_dims}")
+        super().__init__()
+        self.latent_dims = latent_dims
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes
+
+    def arrays(self) -> list[mx.array]:
+        return [] if self.keys is None else [self.keys]
+
+    def _view(self, start: int, end: int) -> mx.array:
+        return self.keys[..., start:end, :]
+
+    def can_rewind_to(self, target: int) -> bool:
+        return 0 <= target <= self._offset
+
+    # -- writing -------------------------------------------------------------------------------
+    def update(self, latent: mx.array, rope_keys: mx.array) -> ContiguousHistory:
+        """Append ``latent`` ``(B, 1, N, latent_dims)`` and ``rope_keys`` ``(B, 1, N, rope)``
+        at the current offset; the history's keys are the entries, its values their latent."""
+        if latent.shape[-1] != self.latent_dims or latent.shape[:3] != rope_keys.shape[:3]:
+            raise ValueError(f"latent {latent.shape} and rotary keys {rope_keys.shape} do not "
+                             f"form entries of a {self.latent_dims}-dim latent cache")
+        start, n = self._offset, latent.shape[2]
+        self._append(mx.concatenate([latent, rope_keys], axis=-1))
+        entries = self.keys[..., : self._offset, :]
+        return ContiguousHistory(entries, entries[..., : self.latent_dims], start, n)
+
+    def _append(self, entries: mx.array) -> None:
+        start, n = self._offset, entries.shape[2]
+        if self._lazy:
+            self._protect_from(start)
+        self._reserve(entries, start + n)
+        self.keys[:, :, start:start + n] = entries
+        self._offset = start + n
+        self._capture_due(start, self._offset)
+
+    def _reserve(self, like: mx.array, needed: int) -> None:
+        capacity = 0 if self.keys is None else self.keys.shape[2]
+        if needed <= capacity:
+            return
+        blocks = (needed - capacity + STEP - 1) // STEP
+        b, h, _, d = like.shape
+        grow = mx.zeros((b, h, blocks * STEP, d), like.dtype)
+        self.keys = grow if self.keys is None else mx.concatenate([self.keys, grow], axis=2)
+
+    def reserve(self, tokens: int) -> None:
+        if self.keys is not None:
+            self._reserve(self.keys[..., :0, :], tokens)
+
+    def _protect_from(self, position: int) -> None:
+        """Copy out every lazy snapshot that a write starting at ``position`` would overwrite."""
+        keep = []
+        for snap in self._lazy:
+            if snap.end > position:
+                snap._copy_out()
+            else:
+                keep.append(snap)
+        self._lazy = keep
+
+    # -- snapshots -----------------------------------------------------------------------------
+    def _new_snapshot(self, start: int, end: int) -> LatentSnapshot:
+        return LatentSnapshot(self, start, end)
+
+    def snapshot(self, start: int, end: int | None = None) -> LatentSnapshot:
+        """A lazy snapshot of ``[start, end)`` of the live state (``end`` defaults to offset)."""
+        end = self._offset if end is None else end
+        if not 0 <= start <= end <= self._offset:
+            raise ValueError(f"snapshot range [{start}, {end}) outside [0, {self._offset})")
+        return self._lazy_snapshot(start, end)
+
+    def restore(self, snapshot: LatentSnapshot | None, target: int) -> bool:
+        if target < 0:
+            raise ValueError(f"restore target {target} is negative")
+        if snapshot is None:
+            if target > self._offset:
+                raise ValueError(f"cannot rewind forward: target {target} > offset {self._offset}")
+            self._offset = target
+            return True
+        if type(snapshot) is not LatentSnapshot:
+            raise TypeError(f"LatentCache cannot restore a {type(snapshot).__name__}")
+        if not snapshot.start <= target <= snapshot.end:
+            raise ValueError(
+                f"target {target} outside snapshot range [{snapshot.start}, {snapshot.end}]")
+        if snapshot.start > self._offset:
+            return False  # the prefix before the snapshot is not in the live cache
+        if snapshot._owner is self:
+            # Still lazy here: the live buffer holds exactly these positions; move the offset.
+            self._offset = target
+            return True
+        self._offset = snapshot.start
+        if target > snapshot.start:
+            self._append(snapshot.entries()[..., : target - snapshot.start, :])
+        return True
+
+    def merge(self, first: LatentSnapshot, second: LatentSnapshot) -> LatentSnapshot:
+        if first.end != second.start:
+            raise ValueError(f"snapshots [{first.start}, {first.end}) and "
+                             f"[{second.start}, {second.end}) are not adjacent")
+        if first._owner is not None and first._owner is second._owner:
+            merged = first._owner._lazy_snapshot(first.start, second.end)
+        else:
+            entries = mx.concatenate([first.entries(), second.entries()], axis=2)
+            mx.eval(entries)
+            merged = LatentSnapshot(None, first.start, second.end, entries)
+        first.close()
+        second.close()
+        return merged
+
+    def split(self, snapshot: LatentSnapshot, at: int) -> tuple[LatentSnapshot, LatentSnapshot]:
+        if not snapshot.start < at < snapshot.end:
+            raise ValueError(f"split point {at} not inside [{snapshot.start}, {snapshot.end})")
+        if snapshot._owner is not None:
+            owner = snapshot._owner
+            parts = owner._lazy_snapshot(snapshot.start, at), owner._lazy_snapshot(at, snapshot.end)
+        else:
+            entries, cut = snapshot.entries(), at - snapshot.start
+            head = mx.contiguous(entries[..., :cut, :])
+            tail = mx.contiguous(entries[..., cut:, :])
+            mx.eval(head, tail)
+            parts = (LatentSnapshot(None, snapshot.start, at, head),
+                     LatentSnapshot(None, at, snapshot.end, tail))
+        snapshot.close()
+        return parts
+
+    # -- records (host / disk tiers) -------------------------------------------------------------
+    def export_snapshot(self, snapshot: LatentSnapshot) -> SnapshotRecord:
+        return make_record(self._record_kind, snapshot.start, snapshot.end,
+                           {"entries": snapshot.entries()}, latent_dims=self.latent_dims)
+
+    def import_snapshot(self, record: SnapshotRecord) -> LatentSnapshot:
+        entries = read_record(record, self._record_kind)["entries"]
+        meta = record.meta
+        start, end = meta["start"], meta["end"]
+        if meta.get("latent_dims") != self.latent_dims or entries.ndim != 4 \
+                or entries.shape[2] != end - start or entries.shape[3] <= self.latent_dims:
+            raise ValueError(f"a latent record of shape {entries.shape} for [{start}, {end}) "
+                             f"(latent {meta.get('latent_dims')}) does not fit a cache with a "
+                             f"{self.latent_dims}-dim latent")
+        return LatentSnapshot(None, start, end, entries)
+
+    def free(self) -> None:
+        """Release the live buffer, first copying out every lazy snapshot that still needs it."""
+        self._protect_from(0)
+        self.keys = None
+        self._offset = 0
