@@ -203,3 +203,115 @@ def test_layouts_mlx_cannot_multiply_load_on_both_paths(tmp_path, monkeypatch):
     for path in ("model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj", "lm_head"):
         assert type(modules[path]) is nn.Linear, path  # groups of 16: dequantized
     np.testing.assert_allclose(logits(plain), reference, rtol=1e-4, atol=1e-4)
+
+
+#: Stacked experts of every Qwen3-MoE layer in K-quant layouts (llama.cpp's ``ffn_*_exps``).
+EXPERT_LAYOUTS = {"gate_proj": QuantSpec(16, 6),  # Q6_K
+                  "up_proj": QuantSpec(32, 5),  # Q5_K
+                  "down_proj": QuantSpec(16, 3)}  # Q3_K
+
+
+def _quantized_moe_folder(tmp_path):
+    """A tiny Qwen3-MoE folder whose experts are stacked (``mlp.switch_mlp.*``, as the GGUF
+    import writes them) and hold random codes in ``EXPERT_LAYOUTS``."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from tests.fixtures.tiny_models import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "moe", "qwen3_moe", decoder_sparse_step=1)
+    config = json.loads((folder / "config.json").read_text())
+    weights = load_file(folder / "model.safetensors")
+    rng = np.random.default_rng(5)
+    block: dict = {}
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}.mlp"
+        for proj, spec in EXPERT_LAYOUTS.items():
+            stacked = np.stack([weights.pop(f"{prefix}.experts.{e}.{proj}.weight")
+                                for e in range(config["num_experts"])])
+            experts, rows, cols = stacked.shape
+            codes = rng.integers(0, 2 ** spec.bits, size=(experts * rows, cols)).astype(np.uint8)
+            module = f"{prefix}.switch_mlp.{proj}"
+            weights[f"{module}.weight"] = pack_codes(codes, spec.bits).reshape(experts, rows, -1)
+            groups = (experts, rows, cols // spec.group_size)
+            weights[f"{module}.scales"] = (rng.standard_normal(groups) * 0.03 / 2 ** spec.bits
+                                           ).astype(np.float32)
+            weights[f"{module}.biases"] = (rng.standard_normal(groups) * 0.02).astype(np.float32)
+            block[module] = spec.as_config()
+    save_file(weights, folder / "model.safetensors", metadata={"format": "mlx"})
+    config["quantization"] = {"group_size": 64, "bits": 4, **block}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.usefixtures("native_kernels")
+def test_stacked_experts_in_groups_of_16_stay_quantized(tmp_path, monkeypatch):
+    """GGUF experts in Q6_K / Q3_K (groups of 16, which MLX's gather_qmm does not take) load as
+    8-bit codes of the same values on the kernels' gathered product; Q5_K experts keep their
+    5-bit codes on gather_qmm. A prefill (experts one dense product each) and decode steps
+    (gathered pairs) give the logits of the same weights dequantized up front; without the
+    kernels the groups of 16 are dequantized at load."""
+    from backend.models.moe import QuantizedSwitchLinear, SwitchLinear
+    from backend.weights.loading import load_model
+
+    folder = _quantized_moe_folder(tmp_path)
+    tokens = mx.array(np.random.default_rng(6).integers(0, 380, size=(1, 40)))
+
+    def logits(loaded):
+        model = loaded.model
+        caches = model.make_caches()
+        prefill = model(tokens[:, :36], caches)  # 36 tokens: one dense product per expert
+        steps = [model(tokens[:, i:i + 1], caches) for i in range(36, 40)]  # gathered pairs
+        return np.concatenate([np.array(prefill)] + [np.array(s) for s in steps], axis=1)
+
+    reference = logits(load_model(folder, cpu_kernels=False))  # everything dequantized
+    on_kernels = load_model(folder)
+    assert on_kernels.cpu_kernels
+    modules = dict(on_kernels.model.named_modules())
+    for proj, spec in EXPERT_LAYOUTS.items():
+        layer = modules[f"model.layers.0.mlp.switch_mlp.{proj}"]
+        assert isinstance(layer, QuantizedSwitchLinear) and layer.native_ops
+        widened = 8 if spec.group_size == 16 else spec.bits
+        assert (layer.bits, layer.group_size) == (widened, spec.group_size), proj
+    np.testing.assert_allclose(logits(on_kernels), reference, rtol=1e-4, atol=1e-4)
+
+    monkeypatch.setenv("ARBOR_DEQUANTIZE_LIMIT", "0")  # keep MLX's quantized layers
+    plain = load_model(folder, cpu_kernels=False)
+    modules = dict(plain.model.named_modules())
+    assert modules["model.layers.0.mlp.switch_mlp.up_proj"].bits == 5
+    for proj in ("gate_proj", "down_proj"):  # groups of 16: dequantized
+        assert type(modules[f"model.layers.0.mlp.switch_mlp.{proj}"]) is SwitchLinear, proj
+    np.testing.assert_allclose(logits(plain), reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_stacked_experts_in_groups_of_16_multiply_on_every_path(native, request):
+    """``QuantizedSwitchLinear`` with 8-bit codes in groups of 16: gathered pairs and one
+    expert's rows equal the products with the dequantized stack, through the kernel
+    (``native``) and through MLX (the picked experts dequantized)."""
+    from backend.models.moe import QuantizedSwitchLinear
+
+    if native:
+        request.getfixturevalue("native_kernels")
+    rng = np.random.default_rng(7)
+    codes = rng.integers(0, 256, size=(6 * 24, 64)).astype(np.uint8)
+    weight = mx.array(pack_codes(codes, 8).reshape(6, 24, 16))
+    scales = mx.array((rng.standard_normal((6, 24, 4)) * 0.01).astype(np.float32))
+    biases = mx.array((rng.standard_normal((6, 24, 4)) * 0.1).astype(np.float32))
+    layer = QuantizedSwitchLinear.from_arrays(weight, scales, biases, 16, 8)
+    layer.native_ops = native
+    dense = np.array(mx.dequantize(weight, scales, biases, 16, 8), np.float64)  # (6, 24, 64)
+    x = mx.array(rng.standard_normal((2, 3, 1, 1, 64)).astype(np.float32))
+    indices = mx.array(rng.integers(0, 6, size=(2, 3, 2)).astype(np.uint32))
+    if native:  # the kernel takes the layout
+        assert kernels.gather_quantized_linear(x.reshape(6, 64), weight, scales, biases,
+                                               indices[..., 0].reshape(6), 16, 8) is not None
+    got = np.array(layer(x, indices))  # SwitchGLU's shapes: (B, N, 1, 1, D) by (B, N, k)
+    want = np.einsum("bnd,bnkod->bnko", np.array(x, np.float64)[:, :, 0, 0],
+                     dense[np.array(indices)])[..., None, :]
+    assert got.shape == want.shape == (2, 3, 2, 1, 24)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    rows = mx.array(rng.standard_normal((40, 64)).astype(np.float32))
+    np.testing.assert_allclose(np.array(layer.expert(rows, 4)),
+                               np.array(rows, np.float64) @ dense[4].T, rtol=1e-5, atol=1e-5)

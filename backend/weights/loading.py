@@ -32,7 +32,7 @@ from backend.models import architecture_args
 from backend.models.base import LanguageModel
 from backend.models.cpu_linear import KernelQuantizedEmbedding, KernelQuantizedLinear
 from backend.models.cpu_setup import use_cpu_kernels
-from backend.models.moe import SwitchLinear
+from backend.models.moe import QuantizedSwitchLinear, SwitchLinear
 from backend.weights.files import check_safetensors, read_config, weight_files
 from backend.weights.quantize import (
     MATMUL_GROUP_SIZES,
@@ -100,12 +100,14 @@ def _fit_quantized_layouts(model: LanguageModel, weights: dict[str, mx.array],
                            ) -> tuple[dict[str, mx.array], Quantization, dict[str, nn.Module]]:
     """Quantized layers in a form this run can multiply, values unchanged:
 
-    * on the CPU kernels, linear and embedding layers whose codes the kernels do not read (2, 3,
-      5 or 6 bits, or 4 bits in groups of 16: GGUF Q5_x, Q2_K..Q6_K) get the same values as
-      8-bit codes (``widen_codes``);
+    * on the CPU kernels, linear and embedding layers whose codes the kernels do not read (2,
+      3, 5 or 6 bits, or 4 bits in groups of 16: GGUF Q5_x, Q2_K..Q6_K) get the same values as
+      8-bit codes (``widen_codes``); stacked experts only in groups of 16;
     * groups of 16 (GGUF Q2_K, Q3_K, Q6_K), which MLX dequantizes but its matmuls do not take:
-      kernel layers built from the arrays on the kernel path (returned by module path, for the
-      caller to put in place of ``nn.quantize``), otherwise dequantized to ``compute``.
+      kernel layers (stacked experts: ``QuantizedSwitchLinear.from_arrays``, whose gathered
+      products take the kernel) built from the arrays on the kernel path (returned by module
+      path, for the caller to put in place of ``nn.quantize``), otherwise dequantized to
+      ``compute``.
 
     Returns the weights, the quantization with updated per-module specs, and those layers."""
     default, overrides = quant[0], dict(quant[1])
@@ -114,8 +116,13 @@ def _fit_quantized_layouts(model: LanguageModel, weights: dict[str, mx.array],
     prebuilt: dict[str, nn.Module] = {}
     for path in [k[: -len(".scales")] for k in weights if k.endswith(".scales")]:
         spec = spec_for(path, default, overrides)
-        on_kernels = cpu_kernels and type(modules[path]) in (nn.Linear, nn.Embedding)
-        if on_kernels and not kernels.quantized_layout_supported(spec.bits, spec.group_size):
+        kind = type(modules[path])
+        on_kernels = cpu_kernels and kind in (nn.Linear, nn.Embedding, SwitchLinear)
+        # Stacked experts hold most of an MoE's bytes: their codes are widened only where MLX
+        # cannot multiply them (groups of 16); other layouts keep MLX's gather_qmm.
+        widen = kind is not SwitchLinear or spec.group_size not in MATMUL_GROUP_SIZES
+        if on_kernels and widen and not kernels.quantized_layout_supported(spec.bits,
+                                                                            spec.group_size):
             out[f"{path}.weight"] = widen_codes(out[f"{path}.weight"], spec)
             spec = overrides[path] = QuantSpec(spec.group_size, 8)
         if spec.group_size in MATMUL_GROUP_SIZES:
@@ -123,9 +130,12 @@ def _fit_quantized_layouts(model: LanguageModel, weights: dict[str, mx.array],
         arrays = [out[f"{path}.{name}"] for name in ("weight", "scales", "biases")]
         if on_kernels:
             arrays[1:] = [a.astype(mx.float32) for a in arrays[1:]]
-            if type(modules[path]) is nn.Linear:
+            if kind is nn.Linear:
                 prebuilt[path] = KernelQuantizedLinear(*arrays, spec.group_size, spec.bits,
                                                        out.get(f"{path}.bias"))
+            elif kind is SwitchLinear:
+                prebuilt[path] = QuantizedSwitchLinear.from_arrays(*arrays, spec.group_size,
+                                                                   spec.bits)
             else:
                 prebuilt[path] = KernelQuantizedEmbedding(*arrays, spec.group_size, spec.bits)
             continue

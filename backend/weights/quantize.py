@@ -35,6 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from backend import kernels
 from backend.errors import ConfigError
 
 #: dtype of ``.scales`` / ``.biases`` written by Arbor (see module docstring for why).
@@ -118,7 +119,7 @@ def quantization_block(layers: Mapping[str, QuantSpec | None]) -> dict[str, Any]
 
 
 #: Group sizes MLX's quantized matmuls (and ``mx.quantize``) take.
-MATMUL_GROUP_SIZES = (32, 64, 128)
+MATMUL_GROUP_SIZES = kernels.MLX_MATMUL_GROUP_SIZES
 
 #: Group sizes a model folder may use: MLX's, plus 16, the sub-block of llama.cpp's Q2_K, Q3_K
 #: and Q6_K (gguf_quants.py). MLX dequantizes groups of 16 but cannot multiply by them, so the
