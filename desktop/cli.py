@@ -184,13 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("suite", nargs="?", choices=BENCH_SUITES, default="speed",
                        help="speed: prefill/decode per weight format; cache: many conversations "
                        "round-robin against arbor serve and mlx-lm's server, then a restart; "
-                       "spec: plain vs speculative decoding (prompt lookup, a 4-bit self draft)")
+                       "spec: plain vs speculative decoding (prompt lookup, a 4-bit self draft); "
+                       "gguf: a .gguf --model imported with its quantized tensors kept vs as "
+                       "float16 (bytes on disk, decode speed)")
     _model_args(bench)
     bench.add_argument("--against", choices=("mlx-lm", "none"), default="mlx-lm")
     bench.add_argument("--formats", default="float32,bfloat16,4bit")
     bench.add_argument("--prompt-tokens", type=int, default=512)
     bench.add_argument("--new-tokens", type=int,
-                       help="tokens per reply (default: speed 128, cache 48, spec 128)")
+                       help="tokens per reply (default: speed 128, cache 48, spec 128, "
+                       "gguf 128)")
     bench.add_argument("--hybrid", nargs="?", const="qwen3_next", metavar="FAMILIES",
                        help="also benchmark random checkpoints of newer families against "
                        "mlx-lm: comma-separated families among qwen3_next (alone, the "
@@ -422,7 +425,7 @@ def _state_per_token(folder: Path) -> str:
     return f"cache per token: {per_token:,} bytes (float32; {per_token / 1024:.1f} KiB)"
 
 
-BENCH_SUITES = ("speed", "cache", "spec")
+BENCH_SUITES = ("speed", "cache", "spec", "gguf")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -430,8 +433,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from backend.paths import cache_dir
     from backend.weights.store import ModelStore
 
-    source = ModelStore().resolve(args.model)
     work = cache_dir() / "bench"
+    if args.suite == "gguf":
+        return _bench_gguf(args, work)
+    source = ModelStore().resolve(args.model)
     if args.suite == "cache":
         return _bench_cache(args, Path(source), work)
     if args.suite == "spec":
@@ -468,6 +473,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rows = bench_glm.run_glm_bench(log=lambda m: print(m, file=sys.stderr))
         print(bench_glm.describe())
         print(bench_hybrid.format_table(rows))
+    return 0
+
+
+def _bench_gguf(args: argparse.Namespace, work: Path) -> int:
+    from backend import bench_gguf
+    from backend.errors import InvalidRequestError
+
+    path = Path(args.model or "")
+    if path.suffix.lower() != ".gguf" or not path.is_file():
+        raise InvalidRequestError(f"bench gguf needs --model FILE.gguf, got {args.model!r}")
+    new_tokens = args.new_tokens or 128
+    rows = bench_gguf.run(path, work, new_tokens, log=lambda m: print(m, file=sys.stderr))
+    print(bench_gguf.format_table(rows, path.stat().st_size, new_tokens))
     return 0
 
 
