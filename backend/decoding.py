@@ -2,6 +2,8 @@
 
 Both are generators of ``Emitted`` tokens that the engine turns into events (detokenizing,
 stop strings, cancellation); the consumer simply stops iterating when the reply is done. They
+never run the target themselves: each forward is a ``Feed`` they yield and the scheduler
+answers (``feeds.py``), so the forwards of many sequences' loops batch together. They
 keep ``Decoding.held`` (the ids the live caches hold) and ``Decoding.generated`` exact at every
 yield, so the engine can record the caches in the prefix cache whenever it stops.
 
@@ -26,11 +28,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Generator
 
 import mlx.core as mx
 
 from backend.caches.base import Cache
+from backend.feeds import Answer, Feed, forward
 from backend.sampling import Sampler
 from backend.speculation.acceptance import judge
 from backend.speculation.depth import DepthController
@@ -94,20 +97,16 @@ class Decoding:
     # drafter that drafts from the target's hidden states gets them (speculation/mtp.py).
     observe: Callable[[int, mx.array, mx.array], None] | None = None
 
-    def _hidden(self, tokens: mx.array) -> mx.array:
-        start = self.caches[0].offset
-        hidden = self.model.hidden(tokens.reshape(1, -1), self.caches)  # (1, N, hidden)
-        if self.observe is not None:
-            self.observe(start, tokens, hidden)
-        return hidden
+    def step(self, tokens: mx.array) -> Generator[Feed, Answer, mx.array]:
+        """Lazy logits (vocab,) after feeding ``tokens`` (``yield from``: the scheduler runs
+        the forward)."""
+        _, logits = yield from forward(Feed(tokens, self.caches, "last"), self.observe)
+        return logits[-1]
 
-    def step(self, tokens: mx.array) -> mx.array:
-        """Lazy logits (vocab,) after feeding ``tokens``."""
-        return self.model.logits(self._hidden(tokens)[:, -1:, :])[0, -1]
-
-    def block(self, tokens: mx.array) -> mx.array:
+    def block(self, tokens: mx.array) -> Generator[Feed, Answer, mx.array]:
         """Lazy logits (N, vocab) of every position of ``tokens`` (a verify block)."""
-        return self.model.logits(self._hidden(tokens))[0]
+        _, logits = yield from forward(Feed(tokens, self.caches, "all"), self.observe)
+        return logits
 
     def history(self, drafts: mx.array | None = None) -> mx.array | None:
         """The penalty window of prompt + generated ids (+ in-flight ``drafts``), or None when
@@ -126,17 +125,22 @@ class Decoding:
         return token, logprob
 
 
+#: What the loops yield: emitted tokens, and the feeds they need answered (``feeds.py``).
+Tokens = Generator["Emitted | Feed", "Answer | None", None]
+
+
 def _value(x: mx.array | None) -> float | None:
     return None if x is None else float(x.item())
 
 
-def plain_tokens(d: Decoding, logits: mx.array) -> Iterator[Emitted]:
+def plain_tokens(d: Decoding, logits: mx.array) -> Tokens:
     token, logprob = d.sample(logits)
     mx.async_eval(token if logprob is None else [token, logprob])
     while True:
         # Queue the next step before waiting on this token so the device never idles; when
         # this token turns out to be the last, that one step is wasted work.
-        ahead = d.step(token.reshape(1)) if len(d.generated) + 1 < d.budget else None
+        ahead = (yield from d.step(token.reshape(1))) if len(d.generated) + 1 < d.budget \
+            else None
         token_id = int(token.item())
         if ahead is not None:
             d.held.append(token_id)
@@ -150,13 +154,13 @@ def plain_tokens(d: Decoding, logits: mx.array) -> Iterator[Emitted]:
 
 def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
                        controller: DepthController,
-                       clock: Callable[[], float] = time.perf_counter) -> Iterator[Emitted]:
+                       clock: Callable[[], float] = time.perf_counter) -> Tokens:
     d.stats.drafter = drafter.kind
     token, logprob = d.sample(logits)
     # ``fed``: the target already holds ``token`` (the step feeding it is queued as ``ahead``,
     # whose row judges the first draft). After a verify round the next token is known but not
     # fed: it then leads the next verify block itself, and no separate step is spent on it.
-    ahead = d.step(token.reshape(1)) if d.budget > 1 else None
+    ahead = (yield from d.step(token.reshape(1))) if d.budget > 1 else None
     fed = ahead is not None
     mx.async_eval([a for a in (token, logprob, ahead) if a is not None])
     # (depth, accepted, one-off catch-up seconds, fed, a plain step after a verify round) of
@@ -185,13 +189,13 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
         if draft is None:  # a plain step, pipelined again from here
             after_round = not fed
             if after_round:
-                ahead = d.step(token.reshape(1))
+                ahead = yield from d.step(token.reshape(1))
                 d.held.append(token_id)
             token, logprob = d.sample(ahead)
             # As in plain_tokens: start this token first, then build the next step's graph
             # while it computes (building it before the async_eval idled the device).
             mx.async_eval(token if logprob is None else [token, logprob])
-            ahead = d.step(token.reshape(1)) if remaining > 1 else None
+            ahead = (yield from d.step(token.reshape(1))) if remaining > 1 else None
             fed = ahead is not None
             in_flight = (0, 0, 0.0, False, after_round)
             continue
@@ -200,7 +204,7 @@ def speculative_tokens(d: Decoding, logits: mx.array, drafter: Drafter,
         block = drafts if fed else mx.concatenate([token.reshape(1).astype(mx.int32), drafts])
         tx = SpeculativeWrite(d.caches, block.shape[0])
         try:
-            rows = d.block(block)  # row i follows block[:i + 1]
+            rows = yield from d.block(block)  # row i follows block[:i + 1]
             target_logits = mx.concatenate([ahead[None], rows]) if fed else rows  # (N + 1, V)
             histories = [d.history(drafts[:i]) for i in range(n + 1)]
             verdict = judge(d.sampler.distributions(target_logits, histories), drafts,

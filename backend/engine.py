@@ -1,17 +1,25 @@
 """The engine: load a model and stream generations from it, over one shared prefix cache.
 
-Scope: one loaded model (and later an optional drafter), one generation at a time, called from
-one thread (the desktop's worker thread, the terminal chat, the server or a benchmark).
-Not in scope: Qt (the desktop wraps this), conversation storage, multi-request batching.
+Scope: one loaded model (and an optional drafter), any number of requests generating at once
+(``max_batch`` of them together, the rest queued), run by whichever thread steps it (the
+desktop's worker thread, the terminal chat, the server's engine thread or a benchmark: one
+at a time). Not in scope: Qt (the desktop wraps this), conversation storage.
 
 Public surface (see docs/ARCHITECTURE.md):
 
-    engine = Engine.load("SmolLM2-135M-Instruct")          # store name, HF folder or .gguf
+    engine = Engine.load("SmolLM2-135M-Instruct", max_batch=8)   # name, HF folder or .gguf
     for event in engine.generate(GenerateRequest(messages=[...]), cancel=threading.Event()):
         TokenEvent(text, token_id, from_draft) ... then exactly one DoneEvent(stats)
+    stream = engine.submit(request, cancel); while engine.step(): read stream.events
     engine.prefetch(messages=[...])  engine.cache_stats()  engine.clear_cache()  engine.close()
 
-``generate`` in numbered steps:
+The engine is a thin orchestrator: a request becomes a ``Sequence`` (``sequence.py``, the
+steps below as a coroutine that yields the forwards it needs), the ``Scheduler``
+(``scheduler.py``) runs every admitted sequence's forwards together, one batched forward per
+step, each sequence on its own ``Lane`` (live caches, drafter, prefix-cache slot). A reply is
+the same, bit for bit, whatever else runs beside it.
+
+A request in numbered steps:
 
 1. Turn the request into prompt token ids (chat template or raw ids) and check it fits.
 2. Restore the longest prefix stored for any conversation (``backend.memory.PrefixCache``):
@@ -36,23 +44,23 @@ from typing import Iterator
 import mlx.core as mx
 
 from backend.api import CacheStats, DoneEvent, GenerateRequest, ModelInfo, TokenEvent
-from backend.decoding import Decoding, plain_tokens, speculative_tokens
 from backend.errors import ContextLengthError, InvalidRequestError, ModelLoadError
 from backend.memory.budgets import CacheBudgets, CacheConfig
 from backend.memory.disk import DiskStore, RetryPolicy
 from backend.memory.fingerprint import model_fingerprint
 from backend.memory.prefix_cache import PrefixCache
-from backend.sampling import Sampler
+from backend.models.state_size import state_bytes_per_token
+from backend.scheduler import Scheduler, Stream
+from backend.sequence import Sequence
 from backend.speculation.depth import DepthController
 from backend.speculation.drafters import Drafter, ModelDrafter, PromptLookupDrafter
 from backend.speculation.mtp import mtp_drafter
-from backend.tokenizer import StopMatcher, Tokenizer
+from backend.tokenizer import Tokenizer
 from backend.weights.files import weight_files
 from backend.weights.loading import LoadedModel, load_model
 from backend.weights.quantize import describe_quantization
 
 PREFILL_CHUNK = 2048
-MAX_TURN_END = 16  # most ids a chat template writes between a reply and the next user's words
 MAX_DRAFT = 8  # most draft tokens per verify round (verify blocks of up to 16 are exact)
 SPECULATION_CHOICES = ("auto", "model", "mtp", "lookup", "none")
 
@@ -66,21 +74,34 @@ def _fingerprint(loaded: LoadedModel, memo: Path) -> str:
                              "kernels" if loaded.cpu_kernels else "mlx", memo_file=memo)
 
 
+class Lane:
+    """What one running sequence needs of its own: the target's live caches, the drafter (its
+    caches too) and the prefix-cache slot over all of them. The engine makes lanes as
+    sequences need them (at most ``max_batch``) and keeps them: an idle lane's live caches are
+    the warmest resume there is."""
+
+    def __init__(self, target_caches: list, drafter: Drafter | None, slot) -> None:
+        self.target_caches = target_caches
+        self.drafter = drafter
+        self.slot = slot
+
+
 class Engine:
-    """A loaded model, its tokenizer and its prefix cache; ``generate`` streams events (see
-    the module docstring)."""
+    """A loaded model, its tokenizer and its prefix cache; ``generate`` streams events, and
+    ``submit`` / ``step`` run several requests at once (see the module docstring)."""
 
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, name: str,
                  cache: CacheConfig | None = None, prefill_chunk: int | None = None,
                  draft: LoadedModel | None = None, speculation: str = "auto",
-                 draft_depth: int | None = None) -> None:
+                 draft_depth: int | None = None, max_batch: int = 1) -> None:
         """``draft``: a draft model with this tokenizer's vocabulary (``load`` checks it);
         ``speculation``: the drafter requests get by default ("auto": the draft model if there
         is one, else the checkpoint's multi-token-prediction head if it ships one, else prompt
         lookup; "model", "mtp", "lookup", or "none" for plain decoding; the head's caches are
         kept only under "auto" and "mtp");
         ``draft_depth``: draft exactly this many tokens per round (None: the depth controller
-        chooses, 0 .. MAX_DRAFT)."""
+        chooses, 0 .. MAX_DRAFT); ``max_batch``: most requests generating at once (the others
+        wait their turn)."""
         if speculation not in SPECULATION_CHOICES:
             raise InvalidRequestError(f"speculation must be one of {SPECULATION_CHOICES}")
         self.loaded = loaded
@@ -90,23 +111,54 @@ class Engine:
         self.prefill_chunk = prefill_chunk  # None: PREFILL_CHUNK
         self.cache_config = cache if cache is not None else CacheConfig.default()
         self.draft = draft
-        self.drafter = (ModelDrafter(draft.model, Path(draft.folder).name) if draft else
-                        mtp_drafter(self.model) if speculation in ("auto", "mtp") else None)
-        self.speculation = (self.drafter.kind if self.drafter else "lookup") \
+        self._drafter_kind = ("model" if draft else
+                              "mtp" if speculation in ("auto", "mtp")
+                              and self.model.draft_head() is not None else None)
+        first = self._new_drafter()
+        self.speculation = (first.kind if first else "lookup") \
             if speculation == "auto" else speculation
         self.target_caches = self.model.make_caches()
         # The drafter's caches are live caches too: the prefix cache stores them alongside.
-        self.caches = self.target_caches + (self.drafter.caches if self.drafter else [])
+        self.caches = self.target_caches + (first.caches if first else [])
+        self.drafter = first
         self.prefix = self._prefix_cache(self.cache_config)
         self._controllers: dict[str, DepthController] = {}
         self.draft_depth = draft_depth
-        self._busy = threading.Lock()
+        self.lanes = [Lane(self.target_caches, first, self.prefix.slots[0])]
+        self.bytes_per_token = self._bytes_per_token()
+        self.scheduler = Scheduler(self.lanes, self._new_lane, max_batch, self.model.hidden,
+                                   self.model.logits, self.prefix.choose_slot,
+                                   device_budget=lambda: self.prefix.budgets.device_bytes)
+        self._lock = threading.RLock()  # guards the scheduler and the prefix cache
+        # MLX's streams belong to a thread: the first thread that steps runs every step.
+        self._owner: threading.Thread | None = None
+
+    def _bytes_per_token(self) -> int:
+        """Live-cache bytes a token adds, target and draft model (the batch's admission)."""
+        total = 0
+        for loaded in (self.loaded, self.draft):
+            if loaded is not None:
+                total += state_bytes_per_token(loaded.config, loaded.dtype.size)
+        return total
+
+    def _new_drafter(self) -> Drafter | None:
+        if self._drafter_kind == "model":
+            return ModelDrafter(self.draft.model, Path(self.draft.folder).name)
+        if self._drafter_kind == "mtp":
+            return mtp_drafter(self.model)
+        return None
+
+    def _new_lane(self) -> Lane:
+        target = self.model.make_caches()
+        drafter = self._new_drafter()
+        slot = self.prefix.new_slot(target + (drafter.caches if drafter else []))
+        return Lane(target, drafter, slot)
 
     @classmethod
     def load(cls, model: str | Path | None = None, dtype: str | None = None,
              cache: CacheConfig | None = None, prefill_chunk: int | None = None,
              draft: str | Path | None = None, speculation: str = "auto",
-             draft_depth: int | None = None) -> "Engine":
+             draft_depth: int | None = None, max_batch: int = 1) -> "Engine":
         """Load a store name, an HF folder or a .gguf file (None: the default model), and
         optionally a draft model for speculative decoding (same kinds of reference; without
         one, a stored model's paired draft unless ``speculation`` rules drafting models out)."""
@@ -127,7 +179,7 @@ class Engine:
                                      f"{Path(folder).name}: {reason}")
             draft_loaded = load_model(draft_folder, dtype)
         return cls(loaded, tokenizer, Path(folder).name, cache, prefill_chunk, draft_loaded,
-                   speculation, draft_depth)
+                   speculation, draft_depth, max_batch)
 
     def _prefix_cache(self, config: CacheConfig) -> PrefixCache:
         disk = None
@@ -148,6 +200,15 @@ class Engine:
     @property
     def context_length(self) -> int:
         return int(self.model.args.max_position_embeddings)
+
+    @property
+    def chunk_size(self) -> int:
+        """Prompt tokens per prefill forward."""
+        return self.prefill_chunk or PREFILL_CHUNK
+
+    @property
+    def max_batch(self) -> int:
+        return self.scheduler.max_batch
 
     @property
     def info(self) -> ModelInfo:
@@ -184,218 +245,125 @@ class Engine:
     # -- the prefix cache -----------------------------------------------------------------------
     def cache_stats(self) -> CacheStats:
         """Bytes, entries, hits and evictions per tier of the prefix cache."""
-        return self.prefix.stats()
+        with self._lock:
+            return self.prefix.stats()
 
     def prefetch(self, messages: list | None = None, prompt_ids: list[int] | None = None,
                  cancel: threading.Event | None = None) -> int:
         """Bring the stored part of this conversation's prompt onto the device without running
         the model (so sending it next starts at once); returns how many tokens are ready.
-        Stops early when ``cancel`` is set; returns 0 when a generation is running."""
+        Stops early when ``cancel`` is set. Other requests may be generating meanwhile."""
         ids = self.prompt_ids(GenerateRequest(messages=messages, prompt_ids=prompt_ids,
                                               max_tokens=1))
-        if not self._busy.acquire(blocking=False):
-            return 0
-        try:
+        with self._lock:
             stop = cancel.is_set if cancel is not None else (lambda: False)
             return self.prefix.prefetch(ids, should_stop=stop)
-        finally:
-            self._busy.release()
 
     def set_cache_budgets(self, budgets: CacheBudgets) -> None:
         """New byte budgets for the prefix cache's tiers, applied at once (copies move down or
         go until each tier fits). A disk tier needs a cache directory (``CacheConfig``)."""
-        with self._busy:
+        with self._lock:
             self.prefix.set_budgets(budgets)
 
     def clear_cache(self) -> None:
         """Forget every stored prefix, on every tier (the next request prefills from scratch)."""
-        with self._busy:
+        with self._lock:
+            if self.scheduler.busy:
+                raise InvalidRequestError("the cache cannot be cleared while generating")
             self.prefix.clear()
 
     def close(self) -> None:
         """Write pending states to disk and release the disk tier (its writer lock)."""
-        with self._busy:
+        with self._lock:
             self.prefix.close()
 
-    # -- steps 3 and 4 -------------------------------------------------------------------------
-    def _prefill(self, prompt: list[int], start: int, held: list[int],
-                 cancel: threading.Event | None) -> mx.array | None:
-        """Feed ``prompt[start:]``; logits (vocab,) of the last token, None if cancelled.
-        ``held`` tracks the ids the caches hold."""
-        chunk_size = self.prefill_chunk or PREFILL_CHUNK
-        for begin in range(start, len(prompt) - 1, chunk_size):
-            if cancel is not None and cancel.is_set():
-                return None
-            self._feed(prompt[begin:min(begin + chunk_size, len(prompt) - 1)], held)
-        if cancel is not None and cancel.is_set():
-            return None
-        logits = self._step(prompt[-1:])
-        held.append(prompt[-1])
-        return logits
+    # -- generation ----------------------------------------------------------------------------
+    def submit(self, request: GenerateRequest, cancel: threading.Event | None = None) -> Stream:
+        """Queue a request (checked at once: ``InvalidRequestError``, ``ContextLengthError``);
+        its events arrive in the returned ``Stream`` as ``step`` runs."""
+        t_submit = time.perf_counter()
+        prompt = self.prompt_ids(request)  # 1
+        self._drafter_check(request)
+        stream = Stream()
+        with self._lock:
+            self.scheduler.submit(Sequence(self, request, prompt, cancel, t_submit), stream)
+        return stream
 
-    def _feed(self, chunk: list[int], held: list[int]) -> None:
-        """Run ``chunk`` through the model into the live caches (no vocabulary projection)."""
-        ids = mx.array(chunk)
-        hidden = self.model.hidden(ids[None], self.target_caches)  # (1, n, hid)
-        mx.eval(hidden, [c.arrays() for c in self.target_caches])
-        if self.drafter is not None:
-            self.drafter.observe(len(held), ids, hidden)  # an MTP head drafts from these
-            self.drafter.feed(chunk)  # the drafter's caches stay in step
-        held.extend(chunk)
+    def step(self) -> bool:
+        """One scheduler step over every running request (see ``backend/scheduler.py``);
+        whether work is left. When nothing runs any more, new states go to disk."""
+        with self._lock:
+            self._check_owner()
+            busy = self.scheduler.step()
+            if busy:
+                self.prefix.enforce_budgets()
+            else:
+                self.prefix.persist()
+            return busy
 
-    def _close_turn(self, messages: list, reply: str, prompt: list[int],
-                    held: list[int]) -> None:
-        """Feed the end of this turn and the next user turn's header, as the chat template
-        writes them after ``reply`` (ChatML: ``<|im_end|>\n<|im_start|>user\n``, and the
-        reply's last token, which decoding samples but never feeds): the conversation's next
-        turn then starts prefilling at the user's own words. Done once the reply's text is out:
-        the reply's end pays one small forward (a pass over the weights, ~70-100 ms for SmolLM2
-        on a 2-core CPU) so the next turn's first token does not pay those ids' prefill.
-        Skipped when the template would render the reply with other ids than the caches hold
-        (a reply cut by a stop string, text that tokenizes otherwise when read back)."""
-        tail = self.tokenizer.turn_end_ids(messages, reply, prompt)
-        fed = held[len(prompt):]
-        if tail is None or tail[:len(fed)] != fed:
-            return
-        close = tail[len(fed):]
-        if 0 < len(close) <= MAX_TURN_END and len(held) + len(close) < self.context_length:
-            if self.drafter is not None:
-                self.drafter.catch_up(held)  # a draft model lags the target after decoding
-            self._feed(close, held)
+    def activity(self) -> tuple[int, int, int]:
+        """(generating, of them still prefilling, waiting for a place in the batch)."""
+        with self._lock:
+            return self.scheduler.counts()
 
-    def _step(self, tokens: list[int] | mx.array) -> mx.array:
-        """Lazy logits (vocab,) after feeding ``tokens`` to the target's live caches."""
-        ids = tokens if isinstance(tokens, mx.array) else mx.array(tokens)
-        start = self.target_caches[0].offset
-        hidden = self.model.hidden(ids.reshape(1, -1), self.target_caches)
-        if self.drafter is not None:
-            self.drafter.observe(start, ids, hidden)
-        return self.model.logits(hidden[:, -1:, :])[0, -1]  # (vocab,)
+    def _check_owner(self) -> None:
+        thread = threading.current_thread()
+        if self._owner is None or not self._owner.is_alive():
+            self._owner = thread
+        elif self._owner is not thread:
+            raise InvalidRequestError(
+                f"the engine runs on thread {self._owner.name!r}: submit requests from any "
+                f"thread, but step (and generate) on that one")
+
+    def stop(self, stream: Stream) -> None:
+        """The caller of ``stream`` left: its request ends now (what its caches hold is kept)."""
+        with self._lock:
+            self.scheduler.stop(stream)
 
     def generate(self, request: GenerateRequest,
                  cancel: threading.Event | None = None) -> Iterator[Event]:
-        if not self._busy.acquire(blocking=False):
-            raise InvalidRequestError("the engine is already generating")
+        """One request's events: ``TokenEvent``s then one ``DoneEvent``. The caller's thread
+        runs the steps (other requests submitted meanwhile advance with them)."""
+        with self._lock:
+            self._check_owner()
+        stream = self.submit(request, cancel)
         try:
-            yield from self._generate(request, cancel)
+            while True:
+                while stream.events:
+                    yield stream.events.popleft()
+                if stream.error is not None:
+                    raise stream.error
+                if stream.done:
+                    break
+                self.step()
         finally:
-            self._busy.release()
-        with self._busy:
-            self.prefix.persist()  # 5: new states to disk, after the reply is out
-
-    def _generate(self, request: GenerateRequest,
-                  cancel: threading.Event | None) -> Iterator[Event]:
-        t_start = time.perf_counter()
-        prompt = self.prompt_ids(request)  # 1
-        sampler = Sampler(request.sampling)
-        budget = min(request.max_tokens, self.context_length - len(prompt))
-        held: list[int] = []  # the ids the live caches hold, at every step
-        try:
-            # 2. The prefix cache never fails a turn: a fault inside it restores nothing.
-            resume = self.prefix.begin(prompt)
-            held.extend(prompt[:resume.cached])
-            yield from self._run(request, prompt, resume, held, sampler, budget, cancel,
-                                 t_start)
-        except GeneratorExit:  # the caller stopped reading: the caches hold exactly ``held``
-            if self.prefix.running:
-                self._commit(held)
-            raise
-        except BaseException:
-            if self.prefix.running:
-                self.prefix.abort()  # a half-written cache is never reused
-            raise
-
-    def _run(self, request, prompt, resume, held, sampler, budget, cancel,
-             t_start) -> Iterator[Event]:
-        logits = self._prefill(prompt, resume.cached, held, cancel)  # 3
-        self.prefix.attach_captures(held)
-        eos = frozenset() if request.ignore_eos else self.tokenizer.eos_token_ids
-        decoding = Decoding(self.model, self.target_caches, sampler, list(prompt), held, budget,
-                            eos, request.logprobs,
-                            observe=self.drafter.observe if self.drafter else None)
-        detok = self.tokenizer.detokenizer()
-        stops = StopMatcher(request.stop)
-        pieces: list[str] = []
-        finish = "cancelled" if logits is None else "length"
-        t_first = time.perf_counter()
-        if logits is not None:  # 4
-            drafter = self._drafter_for(request)
-            tokens = (plain_tokens(decoding, logits) if drafter is None else
-                      speculative_tokens(decoding, logits, drafter, self._depth(drafter.kind)))
-            for emitted in tokens:
-                if len(decoding.generated) == 1:
-                    t_first = time.perf_counter()
-                if emitted.token_id in eos:
-                    finish = "stop"
-                    break
-                text, stopped = stops.feed(detok.add(emitted.token_id))
-                pieces.append(text)
-                yield TokenEvent(text, emitted.token_id, emitted.from_draft, emitted.logprob)
-                if stopped:
-                    finish = "stop"
-                    break
-                if cancel is not None and cancel.is_set():
-                    finish = "cancelled"
-                    break
-            tokens.close()
-            if not stops.stopped:  # release text held back for a stop string or a partial char
-                tail, stopped = stops.feed(detok.finalize())
-                tail += "" if stopped else stops.flush()
-                if tail:
-                    pieces.append(tail)
-                    yield TokenEvent(tail, -1)
-        t_end = time.perf_counter()
-        if request.messages is not None and finish != "cancelled":
-            self._close_turn(request.messages, "".join(pieces), prompt, held)
-        self._commit(held)  # 5
-        n_new = len(prompt) - resume.cached
-        generated, stats = decoding.generated, decoding.stats
-        decode_time = t_end - t_first
-        yield DoneEvent(
-            text="".join(pieces),
-            token_ids=generated,
-            finish_reason=finish,
-            prompt_tokens=len(prompt),
-            cached_tokens=resume.cached,
-            generated_tokens=len(generated),
-            ttft_s=(t_first - t_start) if generated else 0.0,
-            # The first token is only known once the last prefill chunk ran: TTFT bounds prefill.
-            prefill_tps=n_new / max(t_first - t_start, 1e-9) if generated else 0.0,
-            decode_tps=(len(generated) - 1) / decode_time if len(generated) > 1 else 0.0,
-            drafted_tokens=stats.drafted,
-            accepted_tokens=stats.accepted,
-            drafter=stats.drafter,
-            acceptance_by_position=stats.acceptance_by_position,
-            mean_accepted=stats.mean_accepted,
-            draft_rounds=stats.rounds,
-            cached_by_tier=dict(resume.by_tier),
-            restore_s=resume.restore_s,
-        )
-
-    def _commit(self, held: list[int]) -> None:
-        """Record what the live caches hold (the drafter's caches first catch up)."""
-        if self.drafter is not None:
-            self.drafter.catch_up(held)
-        mx.eval([c.arrays() for c in self.caches])
-        self.prefix.commit(held)
+            if not stream.done:
+                self.stop(stream)
+        with self._lock:  # 5: new states to disk, after the reply is out
+            if not self.scheduler.busy:
+                self.prefix.persist()
 
     # -- speculation ---------------------------------------------------------------------------
-    def _drafter_for(self, request: GenerateRequest) -> Drafter | None:
+    def _drafter_check(self, request: GenerateRequest) -> None:
+        choice = request.draft if request.draft != "auto" else self.speculation
+        if choice in ("model", "mtp") and self._drafter_kind != choice:
+            raise InvalidRequestError(
+                "no draft model is loaded: pair one with this model (the model manager, "
+                "or arbor models import --draft) or load one with --draft"
+                if choice == "model" else
+                "no multi-token-prediction head is in use (the checkpoint ships none, or "
+                "the engine was loaded with a draft model or without speculation)")
+
+    def drafter_for(self, request: GenerateRequest, lane: Lane) -> Drafter | None:
+        """The drafter this request drafts with on ``lane`` (None: plain decoding)."""
         choice = request.draft if request.draft != "auto" else self.speculation
         if choice == "none":
             return None
         if choice in ("model", "mtp"):
-            if self.drafter is None or self.drafter.kind != choice:
-                raise InvalidRequestError(
-                    "no draft model is loaded: pair one with this model (the model manager, "
-                    "or arbor models import --draft) or load one with --draft"
-                    if choice == "model" else
-                    "no multi-token-prediction head is in use (the checkpoint ships none, or "
-                    "the engine was loaded with a draft model or without speculation)")
-            return self.drafter
+            return lane.drafter
         return PromptLookupDrafter()
 
-    def _depth(self, kind: str) -> DepthController:
+    def depth(self, kind: str) -> DepthController:
         """One controller per drafter kind, kept across requests (costs and acceptance)."""
         if kind not in self._controllers:
             self._controllers[kind] = DepthController(max_depth=MAX_DRAFT,

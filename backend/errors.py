@@ -41,4 +41,9 @@ class ContextLengthError(ArborError):
 
 
 class InvalidRequestError(ArborError):
-    """A generation request is malformed (bad messages, bad sampling values, ...)."""
+    """A generation request is malformed (bad messages, bad sampling values, ...); ``param``
+    names the request field when one is to blame (the server reports it)."""
+
+    def __init__(self, message: str = "", param: str | None = None):
+        super().__init__(message)
+        self.param = param

@@ -57,13 +57,25 @@ def _draft_args(p: argparse.ArgumentParser) -> None:
                        help="draft exactly N tokens per round (default: chosen each round)")
 
 
-def _engine(args: argparse.Namespace, cache=None):
+def _engine(args: argparse.Namespace, cache=None, max_batch: int = 1):
     """The engine the model, dtype, cache and draft flags ask for."""
     from backend.engine import Engine
 
     speculation = "none" if args.no_draft else "lookup" if args.draft_lookup else "auto"
     return Engine.load(args.model, args.dtype, cache=cache, draft=args.draft,
-                       speculation=speculation, draft_depth=args.draft_depth)
+                       speculation=speculation, draft_depth=args.draft_depth,
+                       max_batch=max_batch)
+
+
+# Requests `arbor serve` runs together: up to 16 rows per batched step (the kernels' exact
+# limit), so 8 single-row decodes leave room for a few draft rows.
+DEFAULT_MAX_BATCH = 8
+
+
+def _positive(text: str) -> int:
+    if not (text.isdigit() and int(text) >= 1):
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
 
 
 def _mib(text: str) -> int:
@@ -149,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("ARBOR_API_KEY") or None,
                        metavar="KEY", help="require 'Authorization: Bearer KEY' on every "
                        "request (default: $ARBOR_API_KEY)")
+    serve.add_argument("--max-batch", type=_positive, default=DEFAULT_MAX_BATCH, metavar="N",
+                       help=f"most requests generating at once, in one batched step each; "
+                       f"the rest wait in arrival order (default: {DEFAULT_MAX_BATCH})")
     _cache_args(serve)
 
     gen = sub.add_parser("generate", help="generate once and exit")
@@ -185,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="speed: prefill/decode per weight format; cache: many conversations "
                        "round-robin against arbor serve and mlx-lm's server, then a restart; "
                        "spec: plain vs speculative decoding (prompt lookup, a 4-bit self draft); "
+                       "batch: 1..16 clients streaming at once against arbor serve and mlx-lm's "
+                       "server, a long prompt arriving mid-stream, step cost per batch size; "
                        "gguf: a .gguf --model imported with its quantized tensors kept vs as "
                        "float16 (bytes on disk, decode speed)")
     _model_args(bench)
@@ -201,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--glm", action="store_true",
                        help="also benchmark a random GLM-4.7-Flash-shaped checkpoint (latent "
                        "attention, group-limited MoE) against mlx-lm")
+    batch = bench.add_argument_group("bench batch")
+    batch.add_argument("--clients", default="1,2,4,8,16",
+                       help="concurrent client counts, comma separated")
+    batch.add_argument("--batch-formats", default="float32,4bit",
+                       help="weight formats for bench batch")
     trace = bench.add_argument_group("bench cache")
     trace.add_argument("--conversations", type=int, default=40)
     trace.add_argument("--turns", type=int, default=6)
@@ -346,7 +368,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def load():
         engine_started.set()
-        return _engine(args, cache=cache)
+        return _engine(args, cache=cache, max_batch=args.max_batch)
 
     code = 1  # a bug: its traceback is printed
     try:
@@ -411,6 +433,19 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_batch(args: argparse.Namespace, source: Path, work: Path) -> int:
+    from backend.bench import batch as bench_batch, speed as bench
+
+    formats = [f for f in args.batch_formats.split(",") if f]
+    variants = {f: bench.write_variant(source, work / f"{source.name}-{f}", f) for f in formats}
+    clients = tuple(int(n) for n in args.clients.split(",") if n)
+    rows, stalls, costs = bench_batch.run(
+        variants, work, clients, new_tokens=args.new_tokens or 64,
+        against_mlx_lm=args.against == "mlx-lm", log=lambda m: print(m, file=sys.stderr))
+    print(bench_batch.format_table(rows, stalls, costs))
+    return 0
+
+
 def _state_per_token(folder: Path) -> str:
     """One line: the cache bytes a token of a conversation takes (float32, the CPU's compute
     dtype), which is what each tier of the prefix cache stores per token."""
@@ -425,11 +460,11 @@ def _state_per_token(folder: Path) -> str:
     return f"cache per token: {per_token:,} bytes (float32; {per_token / 1024:.1f} KiB)"
 
 
-BENCH_SUITES = ("speed", "cache", "spec", "gguf")
+BENCH_SUITES = ("speed", "cache", "spec", "batch", "gguf")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from backend import bench
+    from backend.bench import speed as bench
     from backend.paths import cache_dir
     from backend.weights.store import ModelStore
 
@@ -439,8 +474,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     source = ModelStore().resolve(args.model)
     if args.suite == "cache":
         return _bench_cache(args, Path(source), work)
+    if args.suite == "batch":
+        return _bench_batch(args, Path(source), work)
     if args.suite == "spec":
-        from backend import bench_spec
+        from backend.bench import spec as bench_spec
 
         new_tokens = args.new_tokens or 128
         rows = bench_spec.run(Path(source), work, new_tokens,
@@ -451,7 +488,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     args.new_tokens = args.new_tokens or 128
     hybrid = []
     if args.hybrid:
-        from backend import bench_hybrid
+        from backend.bench import hybrid as bench_hybrid
 
         hybrid = _hybrid_families(args.hybrid, bench_hybrid.FAMILIES)  # refused before any run
     formats = tuple(f for f in args.formats.split(",") if f)
@@ -469,7 +506,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(bench_hybrid.describe(family))
         print(bench_hybrid.format_table(rows))
     if args.glm:
-        from backend import bench_glm, bench_hybrid
+        from backend.bench import glm as bench_glm, hybrid as bench_hybrid
         rows = bench_glm.run_glm_bench(log=lambda m: print(m, file=sys.stderr))
         print(bench_glm.describe())
         print(bench_hybrid.format_table(rows))
@@ -477,7 +514,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _bench_gguf(args: argparse.Namespace, work: Path) -> int:
-    from backend import bench_gguf
+    from backend.bench import gguf as bench_gguf
     from backend.errors import InvalidRequestError
 
     path = Path(args.model or "")
@@ -501,7 +538,7 @@ def _hybrid_families(value: str, known: Iterable[str]) -> list[str]:
 
 
 def _bench_cache(args: argparse.Namespace, source: Path, work: Path) -> int:
-    from backend import bench, bench_cache
+    from backend.bench import cache as bench_cache, speed as bench
 
     folder = bench.write_variant(source, work / f"{source.name}-float32", "float32")
     flags, label = [], []

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import pytest
 
-from backend.bench import write_variant
+from backend.bench.speed import write_variant
 from backend.weights.loading import load_model
 from backend.weights.store import import_hf_folder
 
@@ -33,7 +33,7 @@ def test_variants_of_a_quantized_source_load_in_both_engines(tiny_model_dir, tmp
 def test_best_prefill_keeps_the_best_run_within_the_budget(monkeypatch):
     import time
 
-    from backend import bench
+    from backend.bench import speed as bench
 
     figures = iter([100.0, 300.0, 200.0, 999.0])
     assert bench.best_prefill(lambda: next(figures)) == 300.0  # three runs at most
@@ -49,7 +49,7 @@ def test_best_prefill_keeps_the_best_run_within_the_budget(monkeypatch):
 
 
 def test_bench_runs_both_engines_on_a_tiny_model(tiny_model_dir, tmp_path):
-    from backend import bench
+    from backend.bench import speed as bench
 
     rows = bench.run(tiny_model_dir("llama"), tmp_path, formats=("float32", "4bit"),
                      prompt_tokens=24, new_tokens=6, log=lambda _m: None)

@@ -3,7 +3,7 @@ restart replays, and the report has its figures (timings themselves are never as
 
 from __future__ import annotations
 
-from backend import bench_cache
+from backend.bench import cache as bench_cache
 from backend.tokenizer import Tokenizer
 
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from backend import bench_gguf
+from backend.bench import gguf as bench_gguf
 from backend.weights.gguf import import_gguf
 from backend.weights.quantize import read_quantization, spec_for
 from tests.fixtures.gguf_files import q4_k_m, write_gguf_like_llama_cpp

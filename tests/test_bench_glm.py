@@ -3,8 +3,8 @@ head sizes, and they agree on the greedy tokens."""
 
 import json
 
-from backend.bench_glm import describe, model_config, run_glm_bench
-from backend.bench_hybrid import format_table
+from backend.bench.glm import describe, model_config, run_glm_bench
+from backend.bench.hybrid import format_table
 
 
 def test_glm_bench_rows_and_greedy_agreement(tmp_path):

@@ -3,7 +3,7 @@ agree."""
 
 import pytest
 
-from backend.bench_hybrid import FAMILIES, format_table, run_hybrid_bench
+from backend.bench.hybrid import FAMILIES, format_table, run_hybrid_bench
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -4,7 +4,7 @@ against mlx-lm. Timings themselves are never asserted."""
 
 from __future__ import annotations
 
-from backend import bench_spec
+from backend.bench import spec as bench_spec
 
 
 def test_bench_spec_rows_and_table(tiny_model_dir, tmp_path):

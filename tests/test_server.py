@@ -11,11 +11,13 @@ import threading
 import openai
 import pytest
 
+from backend.api import TokenEvent
 from backend.engine import Engine
 from backend.memory.budgets import CacheConfig
 from backend.tokenizer import Tokenizer
 from tests.fixtures.server import (
     GatedEngine,
+    RelayEngine,
     connection,
     get_json,
     request,
@@ -53,6 +55,11 @@ def gated(folder):
     """A fresh server whose engine holds every token until the test opens the gate."""
     with running_server(loader(folder, gated=True, allowance=0)) as srv:
         yield srv
+
+
+def ended(srv) -> dict:
+    """The queue's counts but for the batch's live figures (active, prefilling)."""
+    return {k: v for k, v in srv.queue().items() if k not in ("active", "prefilling")}
 
 
 def chat(srv, messages=HELLO, **options):
@@ -197,6 +204,10 @@ BAD_REQUESTS = {
         None, "image_url"),
     "top logprobs": (CHAT, body(logprobs=True, top_logprobs=3), 400, "top_logprobs", None,
                      "not supported"),
+    "user message without content": (CHAT, body(messages=[{"role": "user"}]), 400,
+                                     "messages[0]", None, "needs content"),
+    "max_tokens beyond the context": (CHAT, body(max_tokens=100000), 400, "max_tokens", None,
+                                      "512"),
     "unknown model": (CHAT, body(model="gpt-4"), 404, "model", "model_not_found", "gpt-4"),
     "prompt too long": (CHAT, body(messages=[{"role": "user", "content": "word " * 300}]), 400,
                         "messages", "context_length_exceeded", "512"),
@@ -266,24 +277,26 @@ def test_unknown_routes_and_methods_in_the_same_shape(shared):
     assert status == 405 and "GET" in json.loads(raw)["error"]["message"]
 
 
-class FailingEngine:
+class FailingEngine(RelayEngine):
     """A real engine that breaks on the prompts "explode" (before any token) and "explode
     later" (after the first token), like a bug in the engine would."""
 
-    def __init__(self, engine) -> None:
-        self._engine = engine
-
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
-
-    def generate(self, request, cancel=None):
-        content = request.messages[-1]["content"] if request.messages else ""
-        if content == "explode":
+    def submit(self, request, cancel=None):
+        if request.messages and request.messages[-1]["content"] == "explode":
             raise RuntimeError("kernel\nexploded")
-        for n, event in enumerate(self._engine.generate(request, cancel)):
-            if content == "explode later" and n == 1:
-                raise RuntimeError("exploded mid-stream")
-            yield event
+        return super().submit(request, cancel)
+
+    def relay(self, request, event, cancel) -> None:
+        content = request.messages[-1]["content"] if request.messages else ""
+        if content == "explode later" and isinstance(event, TokenEvent) \
+                and self._passed(request):
+            raise RuntimeError("exploded mid-stream")
+
+    def _passed(self, request) -> bool:
+        """True from the second token of ``request`` on."""
+        seen = self.__dict__.setdefault("_seen", {})
+        seen[id(request)] = seen.get(id(request), 0) + 1
+        return seen[id(request)] > 1
 
 
 def test_an_internal_error_is_a_500_line_and_the_server_keeps_serving(folder):
@@ -298,7 +311,7 @@ def test_an_internal_error_is_a_500_line_and_the_server_keeps_serving(folder):
         with pytest.raises(openai.APIError, match="exploded mid-stream"):
             list(stream)
         assert chat(srv).choices[0].finish_reason in ("stop", "length")
-        wait_until(lambda: srv.queue() == dict(waiting=0, running=False, completed=1,
+        wait_until(lambda: ended(srv) == dict(waiting=0, running=False, completed=1,
                                                cancelled=0, rejected=0, failed=2),
                    "two failures and one reply are counted")
 
@@ -317,7 +330,7 @@ def test_a_client_that_leaves_mid_stream_cancels_its_generation(folder):
         assert gate.done[-1].generated_tokens < 200
         gate.open()
         assert chat(srv).choices[0].finish_reason in ("stop", "length")
-        wait_until(lambda: srv.queue() == dict(waiting=0, running=False, completed=1,
+        wait_until(lambda: ended(srv) == dict(waiting=0, running=False, completed=1,
                                                cancelled=1, rejected=0, failed=0),
                    "one cancelled and one reply are counted")
 

@@ -71,7 +71,7 @@ def copy_heavy_prompt(rng: random.Random, vocab: int) -> list[int]:
 def eager_lookup(engine: Engine) -> Engine:
     """Prompt lookup from 1-gram matches: tiny random models seldom repeat 2-grams, and the
     test needs many drafted rounds (and rejections) on every cache kind."""
-    engine._drafter_for = lambda request: PromptLookupDrafter(min_ngram=1)
+    engine.drafter_for = lambda request, lane: PromptLookupDrafter(min_ngram=1)
     return engine
 
 

@@ -824,6 +824,12 @@ class PrefixCache:
         self.budgets = budgets
         self._guarded_enforce_budgets()
 
+    def enforce_budgets(self) -> None:
+        """Move copies down until every tier fits again: running sequences' writes copy lazy
+        views of their live buffers out (they then cost bytes), so the engine calls this after
+        each step, keeping the budgets between steps."""
+        self._guarded_enforce_budgets()
+
     @_fault_boundary(lambda self: None)
     def _guarded_enforce_budgets(self) -> None:
         self._enforce_budgets()
@@ -918,10 +924,14 @@ class PrefixCache:
                 f"lock {slot.locked} vs restored {cached}"
 
     def within_budgets(self) -> bool:
+        """Every tier fits its budget, not counting the paths running requests pin (those
+        stay whatever the budgets say until their requests end)."""
         self.tiers.refresh_lazy()
-        return (self.tiers.bytes["device"] <= self.budgets.device_bytes
-                and self.tiers.bytes["host"] <= self.budgets.host_bytes
-                and self.tiers.bytes["disk"] <= (self.budgets.disk_bytes if self.disk else 0))
+        pinned = [n for n in self.trie.nodes() if n.locks > 0]
+        return all(self.tiers.bytes[tier] - sum(getattr(n.data, f"{tier}_bytes") for n in pinned)
+                   <= budget for tier, budget in (
+                       ("device", self.budgets.device_bytes), ("host", self.budgets.host_bytes),
+                       ("disk", self.budgets.disk_bytes if self.disk else 0)))
 
     def _touch(self, nodes: list[TrieNode]) -> None:
         self.trie.touch(nodes)

@@ -21,6 +21,7 @@ import mlx.nn as nn
 
 from backend.caches.recurrent import RecurrentCache
 from backend.caches.scan import causal_conv1d, gated_delta, parallel_groups, run_on_streams
+from backend.caches.segments import Segments
 
 
 class GatedRMSNorm(nn.Module):
@@ -64,9 +65,20 @@ class GatedDeltaMixer(nn.Module):
         output gate z (B, N, Hv, Dv), and the beta and decay inputs (B, N, Hv) each."""
         raise NotImplementedError
 
-    def __call__(self, x: mx.array, cache: RecurrentCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: RecurrentCache | Segments) -> mx.array:
         b, n, _ = x.shape
         mixed, z, beta_in, decay_in = self._split_projections(x)
+        if isinstance(cache, Segments):  # several sequences' rows: each scans its own state
+            y = cache.map(self._mix, (mixed, z, beta_in, decay_in), axis=1)
+        else:
+            y = self._mix(mixed, z, beta_in, decay_in, cache)
+        return self.out_proj(y.reshape(b, n, -1))
+
+    def _mix(self, mixed: mx.array, z: mx.array, beta_in: mx.array, decay_in: mx.array,
+             cache: RecurrentCache) -> mx.array:
+        """One sequence's rows through the conv and the gated delta scan on its cache:
+        (B, N, Hv, Dv)."""
+        n = mixed.shape[1]
         bounds = cache.boundaries(n)
         beta = mx.sigmoid(beta_in.astype(mx.float32))  # (B, N, Hv)
         log_g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(
@@ -84,7 +96,7 @@ class GatedDeltaMixer(nn.Module):
             delta_states = [mx.concatenate([r[2][i] for r in per_group], axis=1)
                             for i in range(len(bounds))]
         cache.advance(n, conv_states, delta_states)
-        return self.out_proj(y.reshape(b, n, -1))
+        return y
 
     def _group_columns(self, group: int, groups: int) -> list[tuple[int, int]]:
         """Conv channel ranges of key-head group ``group``: its q, k and v columns."""

@@ -49,6 +49,7 @@ from backend.caches.attention import scaled_dot_product_attention
 from backend.caches.base import CAUSAL, Cache, KVHistory, sliding_window
 from backend.caches.kv import KVCache
 from backend.caches.rotating import RotatingKVCache
+from backend.caches.segments import Segments, split_rows
 from backend.errors import ConfigError
 from backend.models.base import ZERO_ALLOWED, args_from_config, config_mapping, one_of
 from backend.models.decoder import Backbone, DecoderModel, multimodal_text_name
@@ -253,15 +254,45 @@ class Attention(nn.Module):
         if shared is None:
             k = k.reshape(b, n, self.num_kv_heads, self.head_dim)
             v = v[0].reshape(b, n, self.num_kv_heads, self.head_dim) if v else k
-            offset = cache.offset
-            k = self.rope(self.k_norm(k).transpose(0, 2, 1, 3), offset)
+            k = self.k_norm(k).transpose(0, 2, 1, 3)
             v = self.v_norm(v).transpose(0, 2, 1, 3)  # (B, kv heads, N, D)
-            history = cache.update(k, v)
+        else:
+            k = v = None
+        segments = cache if isinstance(cache, Segments) else \
+            shared if isinstance(shared, SegmentHistories) else None
+        if segments is None:
+            out, history = self._attend(q, k, v, cache, shared)
+        else:  # several sequences' rows: each attends to its own history
+            split = lambda t: [None] * len(segments.lengths) if t is None else \
+                split_rows(t, segments.lengths, axis=2)  # noqa: E731
+            parts = [self._attend(qi, ki, vi, ci, si) for qi, ki, vi, ci, si in zip(
+                split(q), split(k), split(v),
+                cache.caches if cache is not None else [None] * len(segments.lengths),
+                shared.histories if shared is not None else [None] * len(segments.lengths))]
+            out = mx.concatenate([p[0] for p in parts], axis=2)
+            history = SegmentHistories([p[1] for p in parts], segments.lengths)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1)), history
+
+    def _attend(self, q: mx.array, k: mx.array | None, v: mx.array | None, cache: Cache | None,
+                shared: KVHistory | None) -> tuple[mx.array, KVHistory]:
+        """One sequence: its keys written (RoPE at its offset) or its source's history read,
+        attention -> ((B, H, N, D), the history)."""
+        if shared is None:
+            offset = cache.offset
+            history = cache.update(self.rope(k, offset), v)
         else:
             history, offset = shared, shared.query_start
-        q = self.rope(q, offset)
-        out = scaled_dot_product_attention(q, history, self.mask, 1.0, native=self.native_ops)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1)), history
+        out = scaled_dot_product_attention(self.rope(q, offset), history, self.mask, 1.0,
+                                           native=self.native_ops)
+        return out, history
+
+
+class SegmentHistories:
+    """The histories a source layer's sequences attended over in one batched forward, for the
+    layers that share its keys and values (one per sequence, in row order)."""
+
+    def __init__(self, histories: list[KVHistory], lengths: list[int]) -> None:
+        self.histories, self.lengths = histories, lengths
 
 
 class Router(nn.Module):

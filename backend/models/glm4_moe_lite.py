@@ -57,6 +57,7 @@ from backend import kernels
 from backend.caches.attention import scaled_dot_product_attention
 from backend.caches.base import CAUSAL, Cache
 from backend.caches.kv import ContiguousHistory
+from backend.caches.segments import Segments
 from backend.caches.latent import LatentCache
 from backend.errors import CheckpointError, ConfigError
 from backend.models.base import ZERO_ALLOWED, args_from_config, config_mapping, one_of
@@ -230,15 +231,28 @@ class LatentAttention(nn.Module):
         q = q.reshape(b, n, self.num_heads, self.query_head_dim).transpose(0, 2, 1, 3)
         q_nope, q_rope = mx.split(q, [self.nope], axis=-1)  # (B, H, N, nope | rope)
         latent = self.kv_a_layernorm(compressed[..., : self.latent_dims])  # (B, N, latent)
+        latent = latent.reshape(b, 1, n, self.latent_dims)
         k_rope = compressed[..., self.latent_dims:].reshape(b, 1, n, self.rope_dims)
+        if isinstance(cache, Segments):  # several sequences' rows: each attends to its own
+            out = cache.map(self._attend, (q_nope, q_rope, latent, k_rope), axis=2)
+        else:
+            out = self._attend(q_nope, q_rope, latent, k_rope, cache)
+        b, h, n, v = out.shape
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, h * v))
+
+    def _attend(self, q_nope: mx.array, q_rope: mx.array, latent: mx.array, k_rope: mx.array,
+                cache: LatentCache) -> mx.array:
+        """One sequence: RoPE at its cache's offset, the latent written, attention (absorbed
+        for a few queries, expanded for a prefill chunk) -> (B, H, N, v_head_dim)."""
         offset = cache.offset
         q_rope, k_rope = self.rope(q_rope, offset), self.rope(k_rope, offset)
-        history = cache.update(latent.reshape(b, 1, n, self.latent_dims), k_rope)
+        history = cache.update(latent, k_rope)
+        b, h, n, _ = q_nope.shape
         if n <= ABSORBED_MAX_QUERIES:
             out = self._absorbed(q_nope, q_rope, history)
         else:
             out = self._expanded(q_nope, q_rope, history)
-        return self.o_proj(out)  # out: (B, N, H * v_head_dim)
+        return out.reshape(b, n, h, self.v_head_dim).transpose(0, 2, 1, 3)
 
     def _absorbed(self, q_nope: mx.array, q_rope: mx.array,
                   history: ContiguousHistory) -> mx.array:

@@ -15,6 +15,7 @@ import mlx.nn as nn
 from backend import kernels
 from backend.caches.attention import scaled_dot_product_attention
 from backend.caches.base import CAUSAL, AttentionMask, Cache
+from backend.caches.segments import Segments
 from backend.models.rope import RoPE
 
 
@@ -135,12 +136,20 @@ class Attention(nn.Module):
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # (B, heads, N, D)
-        offset = cache.offset
-        q, k = self.rope(q, offset), self.rope(k, offset)
-        history = cache.update(k, v)
-        out = scaled_dot_product_attention(q, history, self.mask, self.scale,
-                                           native=self.native_ops)  # (B, H, N, D)
+        if isinstance(cache, Segments):  # several sequences' rows: each attends to its own
+            out = cache.map(self._attend, (q, k, v), axis=2)
+        else:
+            out = self._attend(q, k, v, cache)  # (B, H, N, D)
         out = out.transpose(0, 2, 1, 3).reshape(b, n, -1)
         if self.output_gate:
             out = out * mx.sigmoid(gate.reshape(b, n, -1))
         return self.o_proj(out)
+
+    def _attend(self, q: mx.array, k: mx.array, v: mx.array, cache: Cache) -> mx.array:
+        """One sequence: RoPE at its cache's offset, the cache written, attention over its
+        history. q, k, v (B, heads, N, D) -> (B, H, N, D)."""
+        offset = cache.offset
+        q, k = self.rope(q, offset), self.rope(k, offset)
+        history = cache.update(k, v)
+        return scaled_dot_product_attention(q, history, self.mask, self.scale,
+                                            native=self.native_ops)

@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backend.api import DoneEvent, GenerateRequest, TokenEvent
-from backend.errors import ArborError, ContextLengthError
+from backend.errors import ArborError, ContextLengthError, InvalidRequestError
 from backend.server.engine_thread import Cancelled, EngineThread
 from backend.server.responses import ChatFormat, CompletionFormat, TokenLogprob, sse
 from backend.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -63,6 +63,8 @@ def engine_error(exc: BaseException, prompt_param: str | None = None) -> APIErro
     """What the engine thread delivered instead of events, as an error response."""
     if isinstance(exc, ContextLengthError):
         return APIError(400, str(exc), param=prompt_param, code="context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, str(exc), param=exc.param)
     if isinstance(exc, ArborError):
         return APIError(400, str(exc))
     if isinstance(exc, Cancelled):

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 
 from backend.api import GenerateRequest, SamplingParams
+from backend.errors import InvalidRequestError
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 
@@ -38,6 +40,13 @@ class ChatMessage(_Body):
                 if not isinstance(part.get("text"), str):
                     raise ValueError("a text part needs a string 'text'")
         return content
+
+    @model_validator(mode="after")
+    def _content_where_needed(self) -> "ChatMessage":
+        # Only an assistant turn may come without content (as OpenAI's API has it).
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
 
     def as_engine_message(self) -> dict:
         """``{"role", "content"}`` with a plain string: text parts joined by newlines,
@@ -111,6 +120,10 @@ class _Generation(_Body):
     def _request(self, context_length: int, max_tokens: int | None, logprobs: bool,
                  **prompt) -> GenerateRequest:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if max_tokens is not None and max_tokens > context_length:
+            raise InvalidRequestError(
+                f"max_tokens is {max_tokens}, but this model's context is {context_length} "
+                f"tokens (prompt and reply together)", param="max_tokens")
         # No limit given: as much as the context leaves (the engine stops at its end).
         return GenerateRequest(sampling=self.sampling(), stop=stop,
                                max_tokens=max_tokens if max_tokens is not None else context_length,

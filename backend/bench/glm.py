@@ -8,7 +8,7 @@ own loader; width, depth and expert count are parameters (the real model: 2048, 
 timing, the greedy-token check and the table are ``bench_hybrid``'s
 (``compare_on_checkpoint``).
 
-    python -m backend.bench_glm [--hidden 1024 --layers 4 --experts 16]
+    python -m backend.bench.glm [--hidden 1024 --layers 4 --experts 16]
     run_glm_bench(...) -> list[BenchRow]          # what ``arbor bench --glm`` calls
 
 Scope: throughput figures only; the tests pin correctness.
@@ -25,7 +25,7 @@ import backend  # noqa: F401  (loads the system BLAS before mlx.core)
 import mlx.core as mx
 import numpy as np
 
-from backend.bench_hybrid import BenchRow, compare_on_checkpoint, format_table
+from backend.bench.hybrid import BenchRow, compare_on_checkpoint, format_table
 
 #: Checkpoint width, depth and routed experts when not given.
 DEFAULT_HIDDEN, DEFAULT_LAYERS, DEFAULT_EXPERTS = 1024, 4, 16

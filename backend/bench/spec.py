@@ -163,7 +163,7 @@ def mlx_lm_rows(target: Path, draft: Path, new_tokens: int, repeats: int, num_dr
 def run(source: Path, work: Path, new_tokens: int = 128, repeats: int = 2,
         against_mlx_lm: bool = True, mlx_lm_drafts: int = 3,
         log: Callable[[str], None] = print) -> list[Row]:
-    from backend.bench import write_variant
+    from backend.bench.speed import write_variant
     from backend.weights.store import ModelStore
 
     target = write_variant(source, work / f"{source.name}-float32", "float32")

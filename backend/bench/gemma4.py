@@ -1,4 +1,4 @@
-"""Random Gemma 4 checkpoints for the model benchmark (``bench_hybrid.py`` runs them).
+"""Random Gemma 4 checkpoints for the model benchmark (``bench/hybrid.py`` runs them).
 
 Two families with the published models' head sizes (sliding heads of 256, global heads of 512
 with proportional RoPE over a quarter of them) at a width and depth of the caller's choosing:

@@ -5,13 +5,13 @@ layout, loaded by each library's own loader) in the same process, so the ratios 
 not weights or machines. Families (``FAMILIES``): Qwen3-Next (fused projections, all MLPs
 sparse), Qwen3.5 (four projections, dense MLPs) and Qwen3.5-MoE (every MLP sparse), with their
 published head sizes; and Gemma 4 (sliding / global attention, KV-shared layers; its MoE
-layout), whose checkpoints ``bench_gemma4.py`` writes. Checkpoint width and depth are
+layout), whose checkpoints ``bench/gemma4.py`` writes. Checkpoint width and depth are
 parameters. Prefill is timed to the
 evaluated final hidden state and cache state (no vocabulary projection, in ``PREFILL_CHUNK``-
 token chunks as each library's generate loop does); decode is greedy single-token steps after a
 prompt, each step evaluated.
 
-    python -m backend.bench_hybrid [--family qwen3_5]   # prints the table
+    python -m backend.bench.hybrid [--family qwen3_5]   # prints the table
     run_hybrid_bench(...) -> list[BenchRow]             # what ``arbor bench --hybrid`` calls
 
 Scope: throughput figures only. Timed assertions do not belong in tests (shared, noisy
@@ -32,7 +32,7 @@ import backend  # noqa: F401  (loads the system BLAS before mlx.core)
 import mlx.core as mx
 import numpy as np
 
-from backend import bench_gemma4
+from backend.bench import gemma4 as bench_gemma4
 
 #: Prefill chunk used for both libraries (Arbor's engine and mlx-lm's generate both use 2048).
 PREFILL_CHUNK = 2048
