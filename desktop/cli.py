@@ -8,6 +8,7 @@
                 | rm NAME | unpair NAME
     arbor bench [--model M] [--against mlx-lm] [--formats float32,bfloat16,4bit] [--hybrid [F,..]]
                 [--glm]
+    arbor bench cache | spec | batch | gguf --model FILE.gguf   the other suites
 
 Every user-caused problem (bad file, unknown architecture, prompt too long, bad arguments) is
 printed as one line ``arbor: error: ...`` with exit status 2, never a traceback.
@@ -521,7 +522,8 @@ def _bench_gguf(args: argparse.Namespace, work: Path) -> int:
     if path.suffix.lower() != ".gguf" or not path.is_file():
         raise InvalidRequestError(f"bench gguf needs --model FILE.gguf, got {args.model!r}")
     new_tokens = args.new_tokens or 128
-    rows = bench_gguf.run(path, work, new_tokens, log=lambda m: print(m, file=sys.stderr))
+    rows = bench_gguf.run(path, work, new_tokens, against_mlx_lm=args.against == "mlx-lm",
+                          log=lambda m: print(m, file=sys.stderr))
     print(bench_gguf.format_table(rows, path.stat().st_size, new_tokens))
     return 0
 

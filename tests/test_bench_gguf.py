@@ -1,6 +1,7 @@
 """``arbor bench gguf`` end to end on a tiny GGUF in llama.cpp's Q4_K_M recipe: the float16
 folder is the earlier import's layout (Q8_0 kept, the K-quants as float16 of the same values),
-both rows run, and the table says bytes and speed. Timings themselves are never asserted."""
+every row runs (Arbor on both folders, mlx-lm on the float16 one), and the table says bytes and
+speed. Timings themselves are never asserted."""
 
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def test_arbor_bench_gguf_on_the_command_line(tiny_gguf, tmp_path, monkeypatch, 
     assert main(["bench", "gguf", "--model", str(tiny_gguf), "--new-tokens", "4"]) == 0
     table = capsys.readouterr().out
     assert "| K-quants kept |" in table and "| float16 import |" in table
+    assert "| float16 import, mlx-lm |" in table and "kept / float16 import, mlx-lm:" in table
     assert "kept / float16:" in table
     assert main(["bench", "gguf", "--model", str(tmp_path / "missing.gguf")]) == 2
     assert "bench gguf needs --model FILE.gguf" in capsys.readouterr().err

@@ -9,11 +9,16 @@ Two folders from the same file:
   tensors stay quantized (float32 scales), every other quantized tensor (the K-quants, Q5_0,
   Q5_1) is dequantized to float16, as the importer then did.
 
+With ``against_mlx_lm``, mlx-lm 0.32.2 runs the float16 folder too (its loader quantizes with
+``mx.quantize``, which refuses the groups of 16 that the kept folder's Q6_K / Q3_K / Q2_K
+tensors need, so the kept folder is Arbor's alone).
+
 Each row reports the folder's bytes on disk and decode / prefill tok/s (median over
-``repeats`` rounds after a warm-up round; the folders take turns prompt by prompt, so load on
-this shared machine falls on both alike), and whether the greedy tokens equal the kept
-folder's (float16 rounds some K-quant values: a near-tie may differ). Plain greedy decoding,
-no drafting. Timings belong here, never in tests.
+``repeats`` rounds after a warm-up round; the rows take turns prompt by prompt, so load on
+this shared machine falls on all alike), and whether its greedy tokens equal those of the
+row it is compared with: the kept folder's for Arbor's float16 row (float16 rounds some
+K-quant values: a near-tie may differ), Arbor's float16 row for mlx-lm (the same weights).
+Plain greedy decoding, no drafting. Timings belong here, never in tests.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -47,13 +53,16 @@ PROMPTS = (
 EARLIER_KEPT = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 
 
+KEPT, FLOAT16, MLX_LM = "K-quants kept", "float16 import", "float16 import, mlx-lm"
+
+
 @dataclass
 class Row:
     variant: str
     disk_bytes: int
     decode_tps: float
     prefill_tps: float
-    same_tokens: bool
+    same_tokens: bool | None  # None: the row the others are compared with
 
 
 def _tensor_types(path: Path, arch: str) -> dict[str, str]:
@@ -102,50 +111,93 @@ def _disk_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
+Runner = Callable[[list[int], int], tuple[list[int], float, float]]
+
+
+def _arbor_runner(folder: Path) -> Runner:
+    """``(ids, new_tokens) -> (tokens, decode tok/s, prefill tok/s)`` through Arbor's engine."""
+    engine = Engine(load_model(folder), Tokenizer.from_folder(folder), folder.name,
+                    cache=CacheConfig.memory_only())
+
+    def generate(ids: list[int], new_tokens: int) -> tuple[list[int], float, float]:
+        done = list(engine.generate(GenerateRequest(
+            prompt_ids=ids, max_tokens=new_tokens, ignore_eos=True, draft="none")))[-1]
+        assert isinstance(done, DoneEvent)
+        return done.token_ids, done.decode_tps, done.prefill_tps
+    return generate
+
+
+def _mlx_lm_runner(folder: Path) -> Runner:
+    """The same through mlx-lm's ``generate_step`` (greedy), timed as the engine times itself:
+    prefill up to the first token, decode from the first token to the last."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model as mlx_lm_load
+
+    model, _ = mlx_lm_load(folder)
+
+    def generate(ids: list[int], new_tokens: int) -> tuple[list[int], float, float]:
+        start = time.perf_counter()
+        first = last = start
+        tokens: list[int] = []
+        for token, _ in generate_step(mx.array(ids), model, max_tokens=new_tokens):
+            last = time.perf_counter()
+            tokens.append(int(token))
+            if len(tokens) == 1:
+                first = last
+        decode = (len(tokens) - 1) / max(last - first, 1e-9)
+        return tokens, decode, len(ids) / max(first - start, 1e-9)
+    return generate
+
+
 def run(path: Path, work: Path, new_tokens: int = 128, repeats: int = 5,
+        against_mlx_lm: bool = True,
         log: Callable[[str], None] = lambda message: None) -> list[Row]:
     """Import ``path`` both ways under ``work`` and time them (module docstring)."""
     work.mkdir(parents=True, exist_ok=True)
     log(f"importing {path.name}")
     kept = import_gguf(path, work / "gguf-kept")
-    folders = {"K-quants kept": kept,
-               "float16 import": float16_import(kept, path, work / "gguf-float16")}
-    engines = {}
-    for variant, folder in folders.items():
-        tokenizer = Tokenizer.from_folder(folder)
-        engines[variant] = (Engine(load_model(folder), tokenizer, folder.name,
-                                   cache=CacheConfig.memory_only()), tokenizer)
-    decode = {v: [] for v in folders}
-    prefill = {v: [] for v in folders}
-    tokens: dict[str, list[list[int]]] = {v: [] for v in folders}
+    float16 = float16_import(kept, path, work / "gguf-float16")
+    folders = {KEPT: kept, FLOAT16: float16}
+    runners = {KEPT: _arbor_runner(kept), FLOAT16: _arbor_runner(float16)}
+    compared_with = {FLOAT16: KEPT}
+    if against_mlx_lm:
+        folders[MLX_LM] = float16
+        runners[MLX_LM] = _mlx_lm_runner(float16)
+        compared_with[MLX_LM] = FLOAT16
+    tokenizer = Tokenizer.from_folder(kept)
+    decode: dict[str, list[float]] = {v: [] for v in runners}
+    prefill: dict[str, list[float]] = {v: [] for v in runners}
+    tokens: dict[str, list[list[int]]] = {v: [] for v in runners}
     for round_ in range(repeats + 1):  # round 0 warms up (compiles, first touches)
         log(f"round {round_} of {repeats}")
         for prompt in PROMPTS:
-            for variant, (engine, tokenizer) in engines.items():
-                # A different last id each round, so no round restores the last one's cache.
-                ids = tokenizer.encode(prompt, add_special_tokens=True) + [round_]
-                done = list(engine.generate(GenerateRequest(
-                    prompt_ids=ids, max_tokens=new_tokens, ignore_eos=True,
-                    draft="none")))[-1]
-                assert isinstance(done, DoneEvent)
+            # A different last id each round, so no round restores the last one's cache.
+            ids = tokenizer.encode(prompt, add_special_tokens=True) + [round_]
+            for variant, generate in runners.items():
+                reply, decode_tps, prefill_tps = generate(ids, new_tokens)
                 if round_:
-                    decode[variant].append(done.decode_tps)
-                    prefill[variant].append(done.prefill_tps)
-                tokens[variant].append(done.token_ids)
-    reference = tokens["K-quants kept"]
+                    decode[variant].append(decode_tps)
+                    prefill[variant].append(prefill_tps)
+                tokens[variant].append(reply)
     return [Row(v, _disk_bytes(folders[v]), statistics.median(decode[v]),
-                statistics.median(prefill[v]), tokens[v] == reference) for v in folders]
+                statistics.median(prefill[v]),
+                tokens[v] == tokens[compared_with[v]] if v in compared_with else None)
+            for v in runners]
 
 
 def format_table(rows: list[Row], file_bytes: int, new_tokens: int) -> str:
     lines = [f"GGUF file {file_bytes / 2**20:.1f} MiB; {new_tokens} new tokens, greedy, "
              "medians",
-             "| import | on disk | decode | prefill | same tokens |",
+             "| import | on disk | decode | prefill | same greedy tokens |",
              "| --- | --- | --- | --- | --- |"]
+    same = {None: "(reference)", True: "yes", False: "no"}
     for r in rows:
         lines.append(f"| {r.variant} | {r.disk_bytes / 2**20:.1f} MiB | {r.decode_tps:.1f} tok/s"
-                     f" | {r.prefill_tps:.0f} tok/s | {'yes' if r.same_tokens else 'NO'} |")
+                     f" | {r.prefill_tps:.0f} tok/s | {same[r.same_tokens]} |")
     kept, f16 = rows[0], rows[1]
     lines.append(f"kept / float16: {kept.disk_bytes / f16.disk_bytes:.2f}x the bytes, "
                  f"{kept.decode_tps / f16.decode_tps:.2f}x the decode speed")
+    for r in rows[2:]:
+        lines.append(f"kept / {r.variant}: {kept.decode_tps / r.decode_tps:.2f}x the decode "
+                     "speed")
     return "\n".join(lines)
