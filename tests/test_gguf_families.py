@@ -31,6 +31,7 @@ from backend.tokenizer import Tokenizer
 from backend.weights.gguf import import_gguf
 from backend.weights.loading import load_model
 from tests.fixtures.gguf_files import (
+    language_config,
     only,
     q4_k_m,
     reference_weights,
@@ -53,6 +54,10 @@ FAMILIES = {
     "gemma3": ("gemma3", {"sliding_window_pattern": 6, "tie_word_embeddings": True,
                           "head_dim": 64, "query_pre_attn_scalar": 64}),
     "qwen3next": ("qwen3_next", {}),
+    # Value heads of 64 (more value than key heads: the converter tiles them), so out_proj's
+    # 256 input columns are whole K-quant blocks and each head's columns whole groups.
+    "qwen35": ("qwen3_5", {"mtp_num_hidden_layers": 0, "linear_value_head_dim": 64}),
+    "qwen35moe": ("qwen3_5_moe", {"mtp_num_hidden_layers": 0, "linear_value_head_dim": 64}),
 }
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K"]
 MESSAGES = [{"role": "user", "content": "Hello world! How are you today?"}]
@@ -104,7 +109,7 @@ def check_answers_alike(imported: Path, reference: Path) -> None:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_q4_k_m_file_of_each_family(family, tiny_hf, tmp_path):
     hf = tiny_hf(family)
-    config = json.loads((hf / "config.json").read_text())
+    config = language_config(hf)
     tied = config.get("tie_word_embeddings", False)
     _, imported, reference = build(tmp_path, hf, q4_k_m(config["num_hidden_layers"], tied))
 

@@ -24,14 +24,16 @@ What happens to each tensor:
   group size compounds the error and ruins small models.
 
 Per architecture (gguf_layouts.py): the config from the ``{arch}.*`` metadata, tensor names, and
-what llama.cpp's converter did to the values (llama's permuted q/k rows, Gemma's and Qwen3-Next's
-``1 + w`` norms, Qwen3-Next's split linear-attention projections, stacked experts) is undone.
+what llama.cpp's converter did to the values (llama's permuted q/k rows, Gemma's and the hybrid
+Qwens' ``1 + w`` norms, Qwen3-Next's split linear-attention projections, Qwen3.5's tiled value
+heads, stacked experts) is undone. Multi-token-prediction blocks llama.cpp appends
+(``nextn_predict_layers``) are not imported.
 
 The vocabulary becomes ``tokenizer.json`` in ``gguf_tokenizer.py``.
 
 Scope: architectures ``llama`` (also Mistral-style models, which llama.cpp writes as ``llama``),
-``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma3`` and ``qwen3next``; byte-level BPE (``gpt2``) and
-SentencePiece (``llama``) tokenizers. Anything else is a ``ModelLoadError`` /
+``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma3``, ``qwen3next``, ``qwen35`` and ``qwen35moe``;
+byte-level BPE (``gpt2``) and SentencePiece (``llama``) tokenizers. Anything else is a ``ModelLoadError`` /
 ``UnknownArchitectureError`` naming the file and the problem.
 """
 
@@ -55,6 +57,7 @@ from backend.weights.gguf_layouts import (
     assemble,
     hf_config,
     hf_tensor_name,
+    is_prediction_block,
     restore,
     unpermute_qk_rows,
 )
@@ -221,7 +224,8 @@ def import_gguf(
     tokenizer_files = build_tokenizer(metadata, path)
 
     pieces: dict[str, Converted] = {}
-    weight_tensors = [t for t in reader.tensors if t.name not in CONFIG_TENSORS]
+    weight_tensors = [t for t in reader.tensors
+                      if t.name not in CONFIG_TENSORS and not is_prediction_block(t.name, config)]
     for index, tensor in enumerate(weight_tensors):
         try:
             hf_name = hf_tensor_name(tensor.name, arch)

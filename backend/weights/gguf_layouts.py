@@ -21,6 +21,17 @@ goes in the Hugging Face layout, and what the converter did to the values, undon
   linear layers' ``in_proj_qkvz`` split into ``attn_qkv`` (all q, all k, all v) and
   ``attn_gate`` (all z), which are regrouped per key head here (``ssm_in`` in older files keeps
   the Hugging Face order); experts stacked as for ``qwen3moe``, plus the shared expert.
+* ``qwen35``, ``qwen35moe`` (Qwen3.5 / 3.6): Qwen3-Next's changes, but the linear layers keep
+  Hugging Face's four projections (``attn_qkv`` = ``in_proj_qkv``, ``attn_gate`` = ``in_proj_z``,
+  ``ssm_beta`` / ``ssm_alpha`` = ``in_proj_b`` / ``in_proj_a``); where there are more value heads
+  than key heads, the converter reorders the value heads from grouped by key head to tiled (head
+  ``j * key_heads + g`` holds group ``g``'s ``j``-th): in the v rows of ``in_proj_qkv``, the rows
+  of ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, the entries of ``A_log`` and ``dt_bias``, the v
+  channels of the conv kernel and the input columns of ``out_proj``, all put back here
+  (``_untile_value_heads``: whole rows, or whole quantization groups of columns when a head's
+  columns are whole groups; otherwise the exact float32 values). Written with the dense or MoE
+  model type; the multi-token-prediction block llama.cpp appends (``nextn_predict_layers``) is
+  left out.
 
 Tensors travel as ``Converted`` (MLX arrays by suffix, with the ``QuantSpec`` of a quantized
 weight); ``restore`` undoes one tensor's changes, ``assemble`` the merges and splits that span
@@ -66,6 +77,23 @@ class Converted:
         """Rows (the output dimension) in ``order``; every array moves together."""
         index = mx.array(np.asarray(order))
         return Converted({k: v[index] for k, v in self.arrays.items()}, self.spec)
+
+    def take_column_blocks(self, order: np.ndarray, block: int) -> Converted:
+        """Input columns moved in whole blocks of ``block`` (``order``: the source block of each
+        destination block). Quantized codes, scales and biases move by whole groups when a
+        block is whole groups of whole 32-bit words of codes; otherwise the tensor becomes its
+        exact float32 values."""
+        spec = self.spec
+        if spec is None or block % spec.group_size or block * spec.bits % 32:
+            values = self.dense() if self.spec is not None else self.arrays["value"]
+            blocks = values.reshape(*values.shape[:-1], -1, block)
+            return Converted({"value": blocks[..., mx.array(order), :].reshape(values.shape)})
+        moved = {}
+        for key, value in self.arrays.items():  # every array's last axis holds whole blocks
+            per_block = value.shape[-1] // len(order)
+            grouped = value.reshape(*value.shape[:-1], len(order), per_block)
+            moved[key] = grouped[..., mx.array(order), :].reshape(value.shape)
+        return Converted(moved, self.spec)
 
     def dense(self) -> mx.array:
         """The tensor's values as float32 (dequantized when quantized)."""
@@ -226,18 +254,16 @@ def _gemma3_config(metadata: Mapping[str, Any], tensors: Mapping[str, Any], head
     return config
 
 
-def _qwen3next_config(metadata: Mapping[str, Any], tensors: Mapping[str, Any], head_dim: int,
-                      path: Path) -> dict[str, Any]:
-    arch = "qwen3next"
+def _linear_attention_config(metadata: Mapping[str, Any], arch: str, head_dim: int,
+                             path: Path) -> dict[str, Any]:
+    """The gated-delta layers' keys (Qwen3-Next, Qwen3.5) and the partial rotary factor."""
     value_heads = number(metadata, f"{arch}.ssm.time_step_rank", path)
     inner = number(metadata, f"{arch}.ssm.inner_size", path)
     if inner % value_heads:
         raise ModelLoadError(f"{path}: GGUF metadata {arch}.ssm.inner_size {inner} is not a "
                              f"multiple of {arch}.ssm.time_step_rank {value_heads}")
     rotary = number(metadata, f"{arch}.rope.dimension_count", path, default=head_dim)
-    config = {
-        **_moe_config(metadata, arch, path),
-        "mlp_only_layers": _dense_layers(tensors),
+    return {
         "linear_conv_kernel_dim": number(metadata, f"{arch}.ssm.conv_kernel", path),
         "linear_key_head_dim": number(metadata, f"{arch}.ssm.state_size", path),
         "linear_num_key_heads": number(metadata, f"{arch}.ssm.group_count", path),
@@ -247,11 +273,29 @@ def _qwen3next_config(metadata: Mapping[str, Any], tensors: Mapping[str, Any], h
                                           default=4),
         "partial_rotary_factor": rotary / head_dim,
     }
-    shared = metadata.get(f"{arch}.expert_shared_feed_forward_length")
-    if shared is not None:
-        config["shared_expert_intermediate_size"] = number(
-            metadata, f"{arch}.expert_shared_feed_forward_length", path)
+
+
+def _hybrid_moe_config(arch: str) -> Any:
+    """Qwen3-Next's / Qwen3.5-MoE's config: gated-delta layers, routed experts on every layer
+    that has them, the shared expert."""
+    def config(metadata: Mapping[str, Any], tensors: Mapping[str, Any], head_dim: int,
+               path: Path) -> dict[str, Any]:
+        out = {
+            **_moe_config(metadata, arch, path),
+            "mlp_only_layers": _dense_layers(tensors),
+            **_linear_attention_config(metadata, arch, head_dim, path),
+        }
+        shared = metadata.get(f"{arch}.expert_shared_feed_forward_length")
+        if shared is not None:
+            out["shared_expert_intermediate_size"] = number(
+                metadata, f"{arch}.expert_shared_feed_forward_length", path)
+        return out
     return config
+
+
+def _qwen35_config(metadata: Mapping[str, Any], tensors: Mapping[str, Any], head_dim: int,
+                   path: Path) -> dict[str, Any]:
+    return _linear_attention_config(metadata, "qwen35", head_dim, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,24 +327,40 @@ _GEMMA3_BLOCK_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_QWEN3NEXT_BLOCK_NAMES = {
-    **_COMMON_BLOCK_NAMES,
-    **_EXPERT_NAMES,
-    "post_attention_norm": "post_attention_layernorm",
+_SHARED_EXPERT_NAMES = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
-    "ssm_in": "linear_attn.in_proj_qkvz",
-    "ssm_ba": "linear_attn.in_proj_ba",
+}
+# The gated-delta layers' tensors both Qwen3-Next and Qwen3.5 name alike.
+_GATED_DELTA_NAMES = {
+    **_COMMON_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
     "ssm_conv1d": "linear_attn.conv1d",
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
     "ssm_dt": "linear_attn.dt",  # its .bias is dt_bias (placement)
     "ssm_a": "linear_attn.A_log",  # no suffix in the file
+}
+_QWEN3NEXT_BLOCK_NAMES = {
+    **_GATED_DELTA_NAMES,
+    **_EXPERT_NAMES,
+    **_SHARED_EXPERT_NAMES,
+    "ssm_in": "linear_attn.in_proj_qkvz",
+    "ssm_ba": "linear_attn.in_proj_ba",
     "attn_gate": "linear_attn.in_proj_z",  # merged by ``assemble``
     "attn_qkv": "qkv",  # linear layers: in_proj_qkv; attention layers: q, k and v (assemble)
 }
+_QWEN35_BLOCK_NAMES = {
+    **_GATED_DELTA_NAMES,
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+}
+_QWEN_OFFSET_NORMS = frozenset({"attn_norm", "post_attention_norm", "attn_q_norm",
+                                "attn_k_norm", "output_norm"})
 
 
 @dataclass(frozen=True)
@@ -315,6 +375,9 @@ class Layout:
     # GGUF leaf names whose values are stored as 1 + w (output_norm included when non-empty).
     offset_norms: frozenset[str] = frozenset()
     partial_rotary: bool = False
+    moe: bool = False  # routed experts; an all-expert file may omit feed_forward_length
+    # Value heads stored tiled instead of grouped by key head (``_untile_value_heads``).
+    tiled_value_heads: bool = False
     extra_config: Mapping[str, Any] = field(default_factory=dict)
     family_config: Any = None  # (metadata, tensors, head_dim, path) -> dict
 
@@ -326,16 +389,22 @@ LAYOUTS: dict[str, Layout] = {
                     extra_config={"use_sliding_window": False}),
     "qwen3": Layout("qwen3", "Qwen3ForCausalLM", _LLAMA_BLOCK_NAMES),
     "qwen3moe": Layout("qwen3_moe", "Qwen3MoeForCausalLM", {**_LLAMA_BLOCK_NAMES, **_EXPERT_NAMES},
-                       family_config=_qwen3moe_config),
+                       moe=True, family_config=_qwen3moe_config),
     "gemma3": Layout("gemma3_text", "Gemma3ForCausalLM", _GEMMA3_BLOCK_NAMES,
                      offset_norms=frozenset({"attn_norm", "post_attention_norm", "ffn_norm",
                                              "post_ffw_norm", "attn_q_norm", "attn_k_norm",
                                              "output_norm"}),
                      family_config=_gemma3_config),
     "qwen3next": Layout("qwen3_next", "Qwen3NextForCausalLM", _QWEN3NEXT_BLOCK_NAMES,
-                        offset_norms=frozenset({"attn_norm", "post_attention_norm",
-                                                "attn_q_norm", "attn_k_norm", "output_norm"}),
-                        partial_rotary=True, family_config=_qwen3next_config),
+                        offset_norms=_QWEN_OFFSET_NORMS, partial_rotary=True, moe=True,
+                        family_config=_hybrid_moe_config("qwen3next")),
+    "qwen35": Layout("qwen3_5", "Qwen3_5ForCausalLM", _QWEN35_BLOCK_NAMES,
+                     offset_norms=_QWEN_OFFSET_NORMS, partial_rotary=True,
+                     tiled_value_heads=True, family_config=_qwen35_config),
+    "qwen35moe": Layout("qwen3_5_moe", "Qwen3_5MoeForCausalLM",
+                        {**_QWEN35_BLOCK_NAMES, **_EXPERT_NAMES, **_SHARED_EXPERT_NAMES},
+                        offset_norms=_QWEN_OFFSET_NORMS, partial_rotary=True, moe=True,
+                        tiled_value_heads=True, family_config=_hybrid_moe_config("qwen35moe")),
 }
 
 _TOP_LEVEL_NAMES = {
@@ -369,12 +438,12 @@ def hf_config(metadata: Mapping[str, Any], arch: str, tensors: Mapping[str, Any]
     vocab_size = int(tensors["token_embd.weight"].shape[-1])  # ne order: (hidden, vocab)
     default_theta = 1000000.0 if arch == "gemma3" else 10000.0
     rope_theta = number(metadata, f"{arch}.rope.freq_base", path, float, default=default_theta)
-    moe = layout.family_config in (_qwen3moe_config, _qwen3next_config)
+    moe = layout.moe
     config: dict[str, Any] = {
         "architectures": [layout.hf_class],
         "model_type": layout.model_type,
         "hidden_size": hidden,
-        "num_hidden_layers": number(metadata, f"{arch}.block_count", path),
+        "num_hidden_layers": _main_layers(metadata, arch, path),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
@@ -408,6 +477,25 @@ def hf_config(metadata: Mapping[str, Any], arch: str, tensors: Mapping[str, Any]
     if scaling is not None:
         config["rope_scaling"] = scaling
     return config
+
+
+def _main_layers(metadata: Mapping[str, Any], arch: str, path: Path) -> int:
+    """``block_count`` less the multi-token-prediction blocks llama.cpp appends after the
+    model's own layers (``nextn_predict_layers``; Qwen3.5, GLM)."""
+    blocks = number(metadata, f"{arch}.block_count", path)
+    extra = metadata.get(f"{arch}.nextn_predict_layers", 0)
+    if not isinstance(extra, int) or isinstance(extra, bool) or not 0 <= extra < blocks:
+        raise ModelLoadError(f"{path}: GGUF metadata {arch}.nextn_predict_layers must be a "
+                             f"count below {arch}.block_count {blocks}, got {extra!r}")
+    return blocks - extra
+
+
+def is_prediction_block(gguf_name: str, config: Mapping[str, Any]) -> bool:
+    """A tensor of an appended multi-token-prediction block (``blk.N.*``, N at or past the
+    model's layers): not imported (the drafters that would run it come separately)."""
+    parts = gguf_name.split(".")
+    return (len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit()
+            and int(parts[1]) >= config["num_hidden_layers"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,6 +543,35 @@ def unpermute_qk_rows(rows: int, n_head: int) -> np.ndarray:
 def restore(gguf_name: str, hf_name: str, arch: str, tensor: Converted,
             config: Mapping[str, Any], path: Path) -> Converted:
     """Undo what llama.cpp's converter did to this one tensor's values (module docstring)."""
+    tensor = _undo_value_changes(gguf_name, hf_name, arch, tensor, config, path)
+    if LAYOUTS[arch].tiled_value_heads and ".linear_attn." in hf_name:
+        return _untile_value_heads(hf_name, tensor, config)
+    return tensor
+
+
+def _untile_value_heads(hf_name: str, tensor: Converted, config: Mapping[str, Any]) -> Converted:
+    """Qwen3.5's value heads from llama.cpp's tiled order back to grouped by key head (module
+    docstring): Hugging Face's head ``g * per_key + j`` is the file's ``j * key_heads + g``."""
+    kh, vh = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    if kh == vh:
+        return tensor
+    heads = np.arange(vh).reshape(vh // kh, kh).T.reshape(-1)
+    dv = config["linear_value_head_dim"]
+    value_rows = (heads[:, None] * dv + np.arange(dv)).reshape(-1)
+    qk = 2 * kh * config["linear_key_head_dim"]
+    if hf_name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):  # q, k rows, then v
+        return tensor.take_rows(np.concatenate([np.arange(qk), qk + value_rows]))
+    if hf_name.endswith(".in_proj_z.weight"):
+        return tensor.take_rows(value_rows)
+    if hf_name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
+        return tensor.take_rows(heads)
+    if hf_name.endswith(".out_proj.weight"):
+        return tensor.take_column_blocks(heads, dv)
+    return tensor  # the gated norm: one weight per value dim, shared by every head
+
+
+def _undo_value_changes(gguf_name: str, hf_name: str, arch: str, tensor: Converted,
+                        config: Mapping[str, Any], path: Path) -> Converted:
     layout = LAYOUTS[arch]
     parts = gguf_name.split(".")
     leaf = parts[2] if parts[0] == "blk" and len(parts) > 2 else parts[0]
