@@ -58,6 +58,9 @@ FAMILIES = {
     # 256 input columns are whole K-quant blocks and each head's columns whole groups.
     "qwen35": ("qwen3_5", {"mtp_num_hidden_layers": 0, "linear_value_head_dim": 64}),
     "qwen35moe": ("qwen3_5_moe", {"mtp_num_hidden_layers": 0, "linear_value_head_dim": 64}),
+    # GLM-4.7-Flash's MLA with a 256-dim latent (W_UV's rows whole K-quant blocks) and its
+    # prediction layer, which llama.cpp appends as one more block.
+    "deepseek2": ("glm4_moe_lite", {"kv_lora_rank": 256}),
 }
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K"]
 MESSAGES = [{"role": "user", "content": "Hello world! How are you today?"}]

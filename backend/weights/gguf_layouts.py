@@ -32,6 +32,16 @@ goes in the Hugging Face layout, and what the converter did to the values, undon
   columns are whole groups; otherwise the exact float32 values). Written with the dense or MoE
   model type; the multi-token-prediction block llama.cpp appends (``nextn_predict_layers``) is
   left out.
+* ``deepseek2`` as llama.cpp writes GLM-4.7-Flash (``glm4_moe_lite``): multi-head latent
+  attention in its absorbed form. The file states the attention as one-kv-head MQA over
+  ``kv_lora_rank + rope`` dims (``key_length`` / ``value_length``; the per-head sizes are the
+  ``*_mla`` keys) and splits ``kv_b_proj`` per head into ``attn_k_b`` ``(heads, latent, nope)``
+  (W_UK transposed) and ``attn_v_b`` ``(heads, v, latent)`` (W_UV): exactly the per-head
+  ``embed_q`` / ``unembed_out`` the model runs, so both stay quantized as stacks. Rotary pairs
+  stay interleaved (llama.cpp's "normal" rope is the checkpoint's ``rope_interleave``), so no
+  rows move. Older files with one ``attn_kv_b`` load it as ``kv_b_proj``. Only the
+  sigmoid-scored, bias-corrected router (``exp_probs_b``) is a GLM-4.7-Flash layout; a
+  softmax-gated DeepSeek-V2 file is refused.
 
 Tensors travel as ``Converted`` (MLX arrays by suffix, with the ``QuantSpec`` of a quantized
 weight); ``restore`` undoes one tensor's changes, ``assemble`` the merges and splits that span
@@ -293,6 +303,54 @@ def _hybrid_moe_config(arch: str) -> Any:
     return config
 
 
+def _glm_mla_config(metadata: Mapping[str, Any], tensors: Mapping[str, Any], head_dim: int,
+                    path: Path) -> dict[str, Any]:
+    """GLM-4.7-Flash's config from the ``deepseek2.*`` keys (module docstring)."""
+    arch = "deepseek2"
+    gating = metadata.get(f"{arch}.expert_gating_func")
+    if gating is not None and gating != 2 or not any(n.endswith(".exp_probs_b.bias")
+                                                       for n in tensors):
+        raise ModelLoadError(f"{path}: deepseek2 GGUF without a sigmoid, bias-corrected router "
+                             "(DeepSeek-V2's layout) is not supported; Arbor imports "
+                             "GLM-4.7-Flash's")
+    rope = number(metadata, f"{arch}.rope.dimension_count", path)
+    # Per-head sizes: the *_mla keys; files older than the MQA form state them directly.
+    key = number(metadata, f"{arch}.attention.key_length_mla", path,
+                 default=metadata.get(f"{arch}.attention.key_length"))
+    value = number(metadata, f"{arch}.attention.value_length_mla", path,
+                   default=metadata.get(f"{arch}.attention.value_length"))
+    if key <= rope:
+        raise ModelLoadError(f"{path}: GGUF key length {key} leaves no room for "
+                             f"{rope} rotary dims")
+    heads = number(metadata, f"{arch}.attention.head_count", path)
+    config: dict[str, Any] = {
+        "num_key_value_heads": heads,
+        "head_dim": key,
+        "kv_lora_rank": number(metadata, f"{arch}.attention.kv_lora_rank", path),
+        "qk_rope_head_dim": rope,
+        "qk_nope_head_dim": key - rope,
+        "v_head_dim": value,
+        "n_routed_experts": number(metadata, f"{arch}.expert_count", path),
+        "n_shared_experts": metadata.get(f"{arch}.expert_shared_count", 0),
+        "moe_intermediate_size": number(metadata, f"{arch}.expert_feed_forward_length", path),
+        "num_experts_per_tok": number(metadata, f"{arch}.expert_used_count", path),
+        "routed_scaling_factor": number(metadata, f"{arch}.expert_weights_scale", path, float,
+                                        default=1.0),
+        "n_group": number(metadata, f"{arch}.expert_group_count", path, default=1),
+        "topk_group": number(metadata, f"{arch}.expert_group_used_count", path, default=1),
+        # llama.cpp leaves the chosen weights unnormalised unless the file says otherwise.
+        "norm_topk_prob": bool(metadata.get(f"{arch}.expert_weights_norm", False)),
+        "first_k_dense_replace": metadata.get(f"{arch}.leading_dense_block_count", 0),
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "moe_layer_freq": 1,
+        "rope_interleave": True,
+    }
+    if f"{arch}.attention.q_lora_rank" in metadata:
+        config["q_lora_rank"] = number(metadata, f"{arch}.attention.q_lora_rank", path)
+    return config
+
+
 def _qwen35_config(metadata: Mapping[str, Any], tensors: Mapping[str, Any], head_dim: int,
                    path: Path) -> dict[str, Any]:
     return _linear_attention_config(metadata, "qwen35", head_dim, path)
@@ -359,6 +417,24 @@ _QWEN35_BLOCK_NAMES = {
     "ssm_beta": "linear_attn.in_proj_b",
     "ssm_alpha": "linear_attn.in_proj_a",
 }
+_GLM_MLA_BLOCK_NAMES = {
+    **{k: v for k, v in _LLAMA_BLOCK_NAMES.items()
+       if k in ("attn_output", "attn_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")},
+    **_EXPERT_NAMES,
+    "attn_q": "self_attn.q_proj",  # without q_lora_rank
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_k_b": "self_attn.embed_q",
+    "attn_v_b": "self_attn.unembed_out",
+    "attn_kv_b": "self_attn.kv_b_proj",  # files older than the split
+    "exp_probs_b": "mlp.gate.e_score_correction_bias",  # its .bias is the value (no suffix)
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
 _QWEN_OFFSET_NORMS = frozenset({"attn_norm", "post_attention_norm", "attn_q_norm",
                                 "attn_k_norm", "output_norm"})
 
@@ -405,6 +481,9 @@ LAYOUTS: dict[str, Layout] = {
                         {**_QWEN35_BLOCK_NAMES, **_EXPERT_NAMES, **_SHARED_EXPERT_NAMES},
                         offset_norms=_QWEN_OFFSET_NORMS, partial_rotary=True, moe=True,
                         tiled_value_heads=True, family_config=_hybrid_moe_config("qwen35moe")),
+    # MLA's rotary dims are part of each head (``partial_rotary``: the key length is not theirs).
+    "deepseek2": Layout("glm4_moe_lite", "Glm4MoeLiteForCausalLM", _GLM_MLA_BLOCK_NAMES,
+                        partial_rotary=True, moe=True, family_config=_glm_mla_config),
 }
 
 _TOP_LEVEL_NAMES = {
@@ -519,10 +598,11 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
         return f"model.layers.{parts[1]}.{names['ssm_a']}"
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names \
             and parts[3] in ("weight", "bias"):
-        if parts[2] == "ssm_dt":
+        if parts[2] in ("ssm_dt", "exp_probs_b"):  # only a bias, stored under its own name
             if parts[3] != "bias":
                 raise KeyError(gguf_name)
-            return f"model.layers.{parts[1]}.linear_attn.dt_bias"
+            bias = "linear_attn.dt_bias" if parts[2] == "ssm_dt" else names["exp_probs_b"]
+            return f"model.layers.{parts[1]}.{bias}"
         return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     raise KeyError(gguf_name)
 
