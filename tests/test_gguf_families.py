@@ -11,7 +11,9 @@ holding what the GGUF holds, as the ``gguf`` package decodes it. The import must
 * the same greedy reply through the engine on its default path (the quantized layers on the
   native kernels, the reference in float32): same tokenizer, chat template and tokens.
 
-The same on the llama family for every tensor type on its own.
+The same for every family in each type check 3 of the issue names (Q4_0, Q8_0, Q4_K, Q5_K,
+Q6_K: every matrix in that type, with llama.cpp's fallbacks for short rows), and on the llama
+family for every tensor type on its own, each weight compared with the gguf package's decoding.
 """
 
 from __future__ import annotations
@@ -61,8 +63,13 @@ FAMILIES = {
     # GLM-4.7-Flash's MLA with a 256-dim latent (W_UV's rows whole K-quant blocks) and its
     # prediction layer, which llama.cpp appends as one more block.
     "deepseek2": ("glm4_moe_lite", {"kv_lora_rank": 256}),
+    # Gemma 4 as llama.cpp writes it: E2B's layout (KV-shared double-wide layers, per-layer
+    # inputs) and 26B-A4B's (keys as values, the MoE block) from a multimodal checkpoint.
+    "gemma4": ("gemma4_text", {}),
+    "gemma4-moe": ("gemma4-moe", {}),
 }
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K"]
+CHECKED_TYPES = ["Q4_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 MESSAGES = [{"role": "user", "content": "Hello world! How are you today?"}]
 TOKENS = 16
 
@@ -121,13 +128,21 @@ def test_q4_k_m_file_of_each_family(family, tiny_hf, tmp_path):
                if isinstance(spec, dict)} | {(quantization["bits"], quantization["group_size"])}
     assert (quantization["bits"], quantization["group_size"]) == (4, 32)  # Q4_K, the default
     assert (6, 16) in layouts  # Q6_K tensors kept as they are
+    # The language model's type (a multimodal Gemma 4 checkpoint's is gemma4_text).
     assert json.loads((imported / "config.json").read_text())["model_type"] == \
-        config["model_type"]
+        {"gemma4": "gemma4_text"}.get(config["model_type"], config["model_type"])
 
     texts = ["Hello world! How are you today?", "Café crème, 日本語 😀 0123"]
     mine = HFTokenizer.from_file(str(imported / "tokenizer.json"))
     theirs = HFTokenizer.from_file(str(hf / "tokenizer.json"))
     assert [mine.encode(t).ids for t in texts] == [theirs.encode(t).ids for t in texts]
+    check_answers_alike(imported, reference)
+
+
+@pytest.mark.parametrize("kind", CHECKED_TYPES)
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"llama"}))  # llama: below
+def test_each_family_in_each_checked_type(family, kind, tiny_hf, tmp_path):
+    _, imported, reference = build(tmp_path, tiny_hf(family), only(kind))
     check_answers_alike(imported, reference)
 
 

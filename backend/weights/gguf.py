@@ -26,16 +26,19 @@ What happens to each tensor:
 Per architecture (gguf_layouts.py): the config from the ``{arch}.*`` metadata, tensor names, and
 what llama.cpp's converter did to the values (llama's permuted q/k rows, Gemma's and the hybrid
 Qwens' ``1 + w`` norms, Qwen3-Next's split linear-attention projections, Qwen3.5's tiled value
-heads, stacked experts) is undone; GLM-4.7-Flash's latent attention keeps llama.cpp's per-head
-split of ``kv_b_proj``, which is the model's own absorbed form. Multi-token-prediction blocks llama.cpp appends
-(``nextn_predict_layers``) are not imported.
+heads, Gemma 4's per-layer arrays and rotation table, stacked experts) is undone; GLM-4.7-Flash's
+latent attention keeps llama.cpp's per-head split of ``kv_b_proj``, which is the model's own
+absorbed form. Multi-token-prediction blocks llama.cpp appends (``nextn_predict_layers``) are
+not imported.
 
 The vocabulary becomes ``tokenizer.json`` in ``gguf_tokenizer.py``.
 
 Scope: architectures ``llama`` (also Mistral-style models, which llama.cpp writes as ``llama``),
-``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma3``, ``qwen3next``, ``qwen35``, ``qwen35moe`` and
-``deepseek2`` in GLM-4.7-Flash's layout (``glm4_moe_lite``); byte-level BPE (``gpt2``) and SentencePiece (``llama``) tokenizers. Anything else is a ``ModelLoadError`` /
-``UnknownArchitectureError`` naming the file and the problem.
+``qwen2``, ``qwen3``, ``qwen3moe``, ``gemma3``, ``gemma4`` (the language model), ``qwen3next``,
+``qwen35``, ``qwen35moe`` and ``deepseek2`` in GLM-4.7-Flash's layout (``glm4_moe_lite``);
+byte-level BPE (``gpt2``), SentencePiece (``llama``) and Gemma 4's BPE (``gemma4``) tokenizers.
+Anything else is a ``ModelLoadError`` / ``UnknownArchitectureError`` naming the file and the
+problem.
 """
 
 from __future__ import annotations

@@ -32,6 +32,14 @@ goes in the Hugging Face layout, and what the converter did to the values, undon
   columns are whole groups; otherwise the exact float32 values). Written with the dense or MoE
   model type; the multi-token-prediction block llama.cpp appends (``nextn_predict_layers``) is
   left out.
+* ``gemma4`` (the language model; ``gemma4_text``): norms stored as they are (Gemma 4 scales by
+  ``w``); per-layer head counts and MLP widths as arrays (``head_count_kv``: sliding layers' and
+  global layers' kv heads; ``feed_forward_length``: double-wide KV-shared layers), the sliding
+  layers' head size as ``key_length_swa``; the global layers' proportional partial rotation as
+  a ``rope_freqs`` tensor (1 for each rotated pair, 1e30 for the rest), read back into the
+  config; keys-as-values from the global layers that carry no ``attn_v``; the router's scale and
+  the per-expert scale as ``ffn_gate_inp.scale`` / ``ffn_down_exps.scale``; experts fused as
+  ``ffn_gate_up_exps`` (split here).
 * ``deepseek2`` as llama.cpp writes GLM-4.7-Flash (``glm4_moe_lite``): multi-head latent
   attention in its absorbed form. The file states the attention as one-kv-head MQA over
   ``kv_lora_rank + rope`` dims (``key_length`` / ``value_length``; the per-head sizes are the
@@ -303,6 +311,100 @@ def _hybrid_moe_config(arch: str) -> Any:
     return config
 
 
+def _bool_list(metadata: Mapping[str, Any], key: str, length: int, path: Path) -> list[bool]:
+    value = metadata.get(key)
+    if not isinstance(value, list) or len(value) != length or not all(
+            isinstance(v, bool) for v in value):
+        raise ModelLoadError(f"{path}: GGUF metadata {key} must be {length} booleans, "
+                             f"got {value!r}")
+    return value
+
+
+def _per_layer(metadata: Mapping[str, Any], key: str, layers: int, path: Path) -> list[int]:
+    """A key llama.cpp writes as one count or one per layer, as one per layer."""
+    value = metadata.get(key)
+    values = value if isinstance(value, list) else [value] * layers
+    if len(values) != layers or not all(isinstance(v, int) and not isinstance(v, bool)
+                                        and v > 0 for v in values):
+        raise ModelLoadError(f"{path}: GGUF metadata {key} must be a positive count or "
+                             f"{layers} of them, got {value!r}")
+    return values
+
+
+def _gemma4_config(metadata: Mapping[str, Any], tensors: Mapping[str, Any], head_dim: int,
+                   path: Path) -> dict[str, Any]:
+    """Gemma 4's config from the ``gemma4.*`` keys and tensors (module docstring)."""
+    arch = "gemma4"
+    layers = number(metadata, f"{arch}.block_count", path)
+    sliding = _bool_list(metadata, f"{arch}.attention.sliding_window_pattern", layers, path)
+    layer_types = ["sliding_attention" if s else "full_attention" for s in sliding]
+    shared = metadata.get(f"{arch}.attention.shared_kv_layers", 0)
+    if not isinstance(shared, int) or isinstance(shared, bool) or not 0 <= shared < layers:
+        raise ModelLoadError(f"{path}: GGUF metadata {arch}.attention.shared_kv_layers must be "
+                             f"a count below {layers}, got {shared!r}")
+    kv = _per_layer(metadata, f"{arch}.attention.head_count_kv", layers, path)
+    kv_sliding = {k for k, s in zip(kv, sliding) if s}
+    kv_global = {k for k, s in zip(kv, sliding) if not s}
+    ffn = _per_layer(metadata, f"{arch}.feed_forward_length", layers, path)
+    wide = [f == 2 * ffn[0] for f in ffn[layers - shared:]] if shared else []
+    if len(kv_sliding) > 1 or len(kv_global) > 1 or (
+            set(ffn[:layers - shared]) != {ffn[0]} or set(ffn[layers - shared:]) - {
+                ffn[0], 2 * ffn[0]} or len(set(wide)) > 1):
+        raise ModelLoadError(f"{path}: GGUF per-layer kv heads {kv} / MLP widths {ffn} are not "
+                             "a Gemma 4 layout")
+    sliding_head = number(metadata, f"{arch}.attention.key_length_swa", path, default=head_dim)
+    full_rotary = head_dim
+    if "rope_freqs.weight" in tensors:  # 1 per rotated pair, 1e30 for the unrotated ones
+        factors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float64).reshape(-1)
+        full_rotary = 2 * int((factors == 1.0).sum())
+    sliding_rotary = number(metadata, f"{arch}.rope.dimension_count_swa", path,
+                            default=sliding_head)
+    local = {"rope_type": "default",
+             "rope_theta": number(metadata, f"{arch}.rope.freq_base_swa", path, float,
+                                  default=10000.0)}
+    if sliding_rotary != sliding_head:
+        local["partial_rotary_factor"] = sliding_rotary / sliding_head
+    per_layer_rows = tensors.get("per_layer_token_embd.weight")
+    config: dict[str, Any] = {
+        "layer_types": layer_types,
+        "head_dim": sliding_head,
+        "global_head_dim": head_dim,
+        "num_key_value_heads": next(iter(kv_sliding or kv_global)),
+        "num_global_key_value_heads": next(iter(kv_global)) if kv_global != kv_sliding
+        and kv_global else None,
+        "intermediate_size": ffn[0],
+        "use_double_wide_mlp": bool(wide and wide[0]),
+        "num_kv_shared_layers": shared,
+        "hidden_size_per_layer_input": metadata.get(
+            f"{arch}.embedding_length_per_layer_input", 0) or 0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_parameters": {
+            "sliding_attention": local,
+            "full_attention": {"rope_type": "proportional",
+                               "partial_rotary_factor": full_rotary / head_dim,
+                               "rope_theta": number(metadata, f"{arch}.rope.freq_base", path,
+                                                    float, default=1000000.0)}},
+        # Global layers before the shared ones without a value projection: keys are values.
+        "attention_k_eq_v": any(not s and f"blk.{i}.attn_v.weight" not in tensors
+                                for i, s in enumerate(sliding[:layers - shared])),
+        "enable_moe_block": any(n.endswith(".ffn_gate_inp.weight") for n in tensors),
+    }
+    if per_layer_rows is not None:
+        config["vocab_size_per_layer_input"] = int(per_layer_rows.shape[-1])
+    window = metadata.get(f"{arch}.attention.sliding_window")
+    if window is not None:
+        config["sliding_window"] = number(metadata, f"{arch}.attention.sliding_window", path)
+    if metadata.get(f"{arch}.final_logit_softcapping"):
+        config["final_logit_softcapping"] = number(
+            metadata, f"{arch}.final_logit_softcapping", path, float)
+    if config["enable_moe_block"]:
+        config.update(num_experts=number(metadata, f"{arch}.expert_count", path),
+                      top_k_experts=number(metadata, f"{arch}.expert_used_count", path),
+                      moe_intermediate_size=number(
+                          metadata, f"{arch}.expert_feed_forward_length", path))
+    return config
+
+
 def _glm_mla_config(metadata: Mapping[str, Any], tensors: Mapping[str, Any], head_dim: int,
                     path: Path) -> dict[str, Any]:
     """GLM-4.7-Flash's config from the ``deepseek2.*`` keys (module docstring)."""
@@ -435,6 +537,27 @@ _GLM_MLA_BLOCK_NAMES = {
     "ffn_up_shexp": "mlp.shared_experts.up_proj",
     "ffn_down_shexp": "mlp.shared_experts.down_proj",
 }
+_GEMMA4_BLOCK_NAMES = {
+    **_COMMON_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+    "ffn_gate_inp": "router.proj",
+    "ffn_gate_up_exps": "experts.switch_glu.gate_up_proj",  # split by ``assemble``
+    "ffn_down_exps": "experts.switch_glu.down_proj",
+}
+# Gemma 4's tensors whose Hugging Face names are not the block name plus the same suffix.
+_GEMMA4_LEAVES = {
+    ("layer_output_scale", "weight"): "layer_scalar",
+    ("ffn_gate_inp", "scale"): "router.scale",
+    ("ffn_down_exps", "scale"): "router.per_expert_scale",
+}
 _QWEN_OFFSET_NORMS = frozenset({"attn_norm", "post_attention_norm", "attn_q_norm",
                                 "attn_k_norm", "output_norm"})
 
@@ -454,6 +577,9 @@ class Layout:
     moe: bool = False  # routed experts; an all-expert file may omit feed_forward_length
     # Value heads stored tiled instead of grouped by key head (``_untile_value_heads``).
     tiled_value_heads: bool = False
+    # (block leaf, suffix) -> the Hugging Face name within the layer, where it is not
+    # ``block_names[leaf] + "." + suffix``.
+    leaves: Mapping[tuple[str, str], str] = field(default_factory=dict)
     extra_config: Mapping[str, Any] = field(default_factory=dict)
     family_config: Any = None  # (metadata, tensors, head_dim, path) -> dict
 
@@ -481,6 +607,8 @@ LAYOUTS: dict[str, Layout] = {
                         {**_QWEN35_BLOCK_NAMES, **_EXPERT_NAMES, **_SHARED_EXPERT_NAMES},
                         offset_norms=_QWEN_OFFSET_NORMS, partial_rotary=True, moe=True,
                         tiled_value_heads=True, family_config=_hybrid_moe_config("qwen35moe")),
+    "gemma4": Layout("gemma4_text", "Gemma4ForCausalLM", _GEMMA4_BLOCK_NAMES,
+                     partial_rotary=True, leaves=_GEMMA4_LEAVES, family_config=_gemma4_config),
     # MLA's rotary dims are part of each head (``partial_rotary``: the key length is not theirs).
     "deepseek2": Layout("glm4_moe_lite", "Glm4MoeLiteForCausalLM", _GLM_MLA_BLOCK_NAMES,
                         partial_rotary=True, moe=True, family_config=_glm_mla_config),
@@ -490,6 +618,10 @@ _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
+    # Gemma 4's per-layer inputs
+    "per_layer_token_embd": "model.embed_tokens_per_layer",
+    "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
 }
 
 # Tensors that describe the model rather than hold weights; they are folded into config.json.
@@ -500,6 +632,12 @@ def hf_config(metadata: Mapping[str, Any], arch: str, tensors: Mapping[str, Any]
               path: Path) -> dict[str, Any]:
     """config.json (without ``quantization``) from llama.cpp's metadata keys."""
     layout = LAYOUTS[arch]
+    family_metadata = metadata
+    # Keys a family may write per layer (Gemma 4): the generic reading takes the first layer's;
+    # the family's config reads them whole.
+    metadata = {k: v[0] if isinstance(v, list) and v and k in (
+        f"{arch}.attention.head_count_kv", f"{arch}.feed_forward_length") else v
+        for k, v in metadata.items()}
     hidden = number(metadata, f"{arch}.embedding_length", path)
     heads = number(metadata, f"{arch}.attention.head_count", path)
     kv_heads = number(metadata, f"{arch}.attention.head_count_kv", path, default=heads)
@@ -544,13 +682,13 @@ def hf_config(metadata: Mapping[str, Any], arch: str, tensors: Mapping[str, Any]
     else:
         config["intermediate_size"] = number(metadata, ffn_key, path)
     if layout.family_config is not None:
-        config.update(layout.family_config(metadata, tensors, head_dim, path))
+        config.update(layout.family_config(family_metadata, tensors, head_dim, path))
     for name in ("bos_token_id", "eos_token_id"):
         value = metadata.get(f"tokenizer.ggml.{name}")  # type-checked by check_vocabulary
         if value is not None:
             config[name] = value
     scaling = _rope_scaling(metadata, arch, path)
-    if "rope_freqs.weight" in tensors:
+    if "rope_freqs.weight" in tensors and arch != "gemma4":  # Gemma 4's: its family config
         factors = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float64).reshape(-1)
         scaling = _llama3_rope_scaling(factors, rope_theta, head_dim, path)
     if scaling is not None:
@@ -596,6 +734,10 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] == "ssm_a" \
             and "ssm_a" in names:
         return f"model.layers.{parts[1]}.{names['ssm_a']}"
+    leaves = LAYOUTS[arch].leaves
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and \
+            (parts[2], parts[3]) in leaves:
+        return f"model.layers.{parts[1]}.{leaves[(parts[2], parts[3])]}"
     if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names \
             and parts[3] in ("weight", "bias"):
         if parts[2] in ("ssm_dt", "exp_probs_b"):  # only a bias, stored under its own name
@@ -695,7 +837,8 @@ def assemble(pieces: dict[str, Converted], arch: str, config: Mapping[str, Any],
     """The merges and splits that span tensors (module docstring), in place of the
     intermediate names ``hf_tensor_name`` gave them."""
     out = dict(pieces)
-    for name in [n for n in pieces if n.endswith(".switch_mlp.gate_up_proj.weight")]:
+    for name in [n for n in pieces if n.endswith((".switch_mlp.gate_up_proj.weight",
+                                                  ".switch_glu.gate_up_proj.weight"))]:
         fused = out.pop(name)  # (experts, 2 * intermediate, hidden): gate rows, then up rows
         half = next(iter(fused.arrays.values())).shape[1] // 2
         gate, up = split_rows(fused, [half, half], axis=1)
