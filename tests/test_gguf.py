@@ -534,6 +534,48 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path: Path) -> None:
     assert mine.decode(mine.encode("the\nworld ☃").ids) == "the\nworld ☃"
 
 
+def test_gemma4_tokenizer_uses_the_files_merges(tmp_path: Path) -> None:
+    """A Gemma 4 vocabulary (tokenizer.ggml.model == "gemma4", as llama.cpp's converter writes
+    it from Gemma's tokenizer.json: pieces, byte tokens, the merges in their order) gives the
+    ids of that tokenizer.json (spaces as ``▁``, no space prefix, byte fallback) after BOS."""
+    merges = ["h e", "▁ t", "▁t he", "l o", "e l", "l l", "▁ H", "▁H e", "▁He l", "▁Hel lo",
+              "o r", "▁ w", "▁w or", "l d", "▁wor ld"]  # fmt: skip
+    pieces = ["▁", "t", "h", "e", "l", "o", "w", "r", "d", "H"] + list(dict.fromkeys(
+        "".join(m.split(" ")) for m in merges))
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + \
+        pieces + ["<start_of_turn>"]
+    types = [3, 3, 3, 2] + [6] * 256 + [1] * len(pieces) + [3]
+    metadata = {
+        "tokenizer.ggml.model": "gemma4", "tokenizer.ggml.tokens": tokens,
+        # Scores that would rank the pieces the other way round: the merges decide.
+        "tokenizer.ggml.scores": [float(i) for i in range(len(tokens))],
+        "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges, "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3,
+        "tokenizer.ggml.padding_token_id": 0, "tokenizer.ggml.add_space_prefix": False,
+        "tokenizer.ggml.add_bos_token": True, "gemma4.context_length": 128,
+    }  # fmt: skip
+    mine = Tokenizer.from_str(json.dumps(build_tokenizer(metadata, tmp_path / "g.gguf").tokenizer))
+    special = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                "normalized": False, "special": True}
+               for i, t in enumerate(tokens) if types[i] in (2, 3)]
+    reference = Tokenizer.from_str(json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": special,
+        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        "pre_tokenizer": None, "post_processor": None, "decoder": None,
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>",
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                  "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": {t: i for i, t in enumerate(tokens)},
+                  "merges": [m.split(" ") for m in merges]}}))
+    for text in ["Hello the world", "hello world", "the\nworld ☃", " a  the",
+                 "Hello<start_of_turn>"]:
+        assert mine.encode(text).ids == [2] + reference.encode(text).ids, text
+    assert mine.decode(mine.encode("the\nworld ☃").ids) == "the\nworld ☃"
+    with pytest.raises(ModelLoadError, match="without its merges"):
+        build_tokenizer({k: v for k, v in metadata.items() if k != "tokenizer.ggml.merges"},
+                        tmp_path / "g.gguf")
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors
 

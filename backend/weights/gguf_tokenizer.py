@@ -247,12 +247,13 @@ def _sentencepiece_merges(
 
 
 def _sentencepiece_bpe(
-    metadata: Mapping[str, Any], path: Path
+    metadata: Mapping[str, Any], path: Path, merges: list[list[str]] | None = None
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """``tokenizer.ggml.model == "llama"``: SentencePiece BPE, byte fallback, ``▁`` for spaces."""
+    """``tokenizer.ggml.model == "llama"``: SentencePiece BPE, byte fallback, ``▁`` for spaces;
+    the merges implied by the scores unless ``merges`` gives them."""
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
     scores = metadata.get("tokenizer.ggml.scores")
-    if scores is None:
+    if scores is None and merges is None:
         raise ModelLoadError(f"{path}: SentencePiece vocabulary without scores")
     types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
     vocab: dict[str, int] = {}
@@ -282,7 +283,8 @@ def _sentencepiece_bpe(
         "byte_fallback": True,
         "ignore_merges": False,
         "vocab": vocab,
-        "merges": _sentencepiece_merges(tokens, list(scores), vocab),
+        "merges": merges if merges is not None else _sentencepiece_merges(
+            tokens, list(scores), vocab),
     }
     body = {
         "normalizer": None,
@@ -298,7 +300,21 @@ def _sentencepiece_bpe(
     return body, added
 
 
-_TOKENIZER_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+def _gemma4_bpe(
+    metadata: Mapping[str, Any], path: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``tokenizer.ggml.model == "gemma4"`` (llama.cpp's converter, from Gemma 4's
+    tokenizer.json): SentencePiece-style BPE (``▁`` for spaces, byte fallback, no space prefix)
+    whose merges the file lists, in their order."""
+    merges = metadata.get("tokenizer.ggml.merges")
+    if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+        raise ModelLoadError(f"{path}: Gemma 4 vocabulary without its merges")
+    return _sentencepiece_bpe({**metadata, "tokenizer.ggml.add_space_prefix": False}, path,
+                              merges=[merge.split(" ", 1) for merge in merges])
+
+
+_TOKENIZER_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe,
+                       "gemma4": _gemma4_bpe}
 
 
 #: ``tokenizer.*`` keys the conversion reads, and what each must hold when present.
@@ -371,7 +387,7 @@ def build_tokenizer(metadata: Mapping[str, Any], path: Path) -> TokenizerFiles:
         for k in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
     )
     # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise.
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind in ("llama", "gemma4")))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     tokenizer = {
         "version": "1.0",
