@@ -549,7 +549,8 @@ def test_gemma4_tokenizer_uses_the_files_merges(tmp_path: Path) -> None:
         "tokenizer.ggml.model": "gemma4", "tokenizer.ggml.tokens": tokens,
         # Scores that would rank the pieces the other way round: the merges decide.
         "tokenizer.ggml.scores": [float(i) for i in range(len(tokens))],
-        "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges, "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": 2,
         "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3,
         "tokenizer.ggml.padding_token_id": 0, "tokenizer.ggml.add_space_prefix": False,
         "tokenizer.ggml.add_bos_token": True, "gemma4.context_length": 128,

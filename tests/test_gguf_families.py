@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -30,7 +31,9 @@ from backend.api import GenerateRequest
 from backend.engine import Engine
 from backend.memory.budgets import CacheConfig
 from backend.tokenizer import Tokenizer
+from backend.errors import ModelLoadError
 from backend.weights.gguf import import_gguf
+from backend.weights.gguf_layouts import hf_config
 from backend.weights.loading import load_model
 from tests.fixtures.gguf_files import (
     language_config,
@@ -171,3 +174,19 @@ def test_each_tensor_type(kind, tiny_hf, tmp_path):
     else:  # the 32-weight types' scales are float16 values, the K-quants' products are not
         assert scales == ({mx.float32} if kind.endswith("_K") else {mx.float16})
     check_answers_alike(imported, reference)
+
+
+@pytest.mark.parametrize("change, refused", [
+    ({"deepseek2.expert_gating_func": 1}, "DeepSeek-V2"),  # softmax router
+    ({"deepseek2.rope.scaling.type": "yarn", "deepseek2.rope.scaling.factor": 40.0},
+     "DeepSeek-V3"),
+])
+def test_other_deepseek2_layouts_are_refused(change, refused, tiny_hf, tmp_path):
+    """llama.cpp writes DeepSeek-V2 and V3 as deepseek2 too; Arbor imports GLM-4.7-Flash's."""
+    path = write_gguf_like_llama_cpp(tiny_hf("deepseek2"), tmp_path / "m.gguf", only("Q8_0"))
+    reader = gguf.GGUFReader(path)
+    metadata = {key: field.contents() for key, field in reader.fields.items()}
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    assert hf_config(metadata, "deepseek2", tensors, path)["model_type"] == "glm4_moe_lite"
+    with pytest.raises(ModelLoadError, match=refused):
+        hf_config({**metadata, **change}, "deepseek2", tensors, path)

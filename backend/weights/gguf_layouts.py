@@ -48,8 +48,9 @@ goes in the Hugging Face layout, and what the converter did to the values, undon
   ``embed_q`` / ``unembed_out`` the model runs, so both stay quantized as stacks. Rotary pairs
   stay interleaved (llama.cpp's "normal" rope is the checkpoint's ``rope_interleave``), so no
   rows move. Older files with one ``attn_kv_b`` load it as ``kv_b_proj``. Only the
-  sigmoid-scored, bias-corrected router (``exp_probs_b``) is a GLM-4.7-Flash layout; a
-  softmax-gated DeepSeek-V2 file is refused.
+  sigmoid-scored, bias-corrected router (``exp_probs_b``) without rope scaling is
+  GLM-4.7-Flash's layout; a softmax-gated DeepSeek-V2 file or a YaRN-scaled DeepSeek-V3 one
+  is refused.
 
 Tensors travel as ``Converted`` (MLX arrays by suffix, with the ``QuantSpec`` of a quantized
 weight); ``restore`` undoes one tensor's changes, ``assemble`` the merges and splits that span
@@ -415,6 +416,11 @@ def _glm_mla_config(metadata: Mapping[str, Any], tensors: Mapping[str, Any], hea
         raise ModelLoadError(f"{path}: deepseek2 GGUF without a sigmoid, bias-corrected router "
                              "(DeepSeek-V2's layout) is not supported; Arbor imports "
                              "GLM-4.7-Flash's")
+    if metadata.get(f"{arch}.rope.scaling.type") not in (None, "none"):
+        # DeepSeek-V3's YaRN also rescales MLA's attention (mscale): not GLM-4.7-Flash's model.
+        raise ModelLoadError(f"{path}: deepseek2 GGUF with rope scaling "
+                             f"{metadata[f'{arch}.rope.scaling.type']!r} (DeepSeek-V3's layout) "
+                             "is not supported; Arbor imports GLM-4.7-Flash's")
     rope = number(metadata, f"{arch}.rope.dimension_count", path)
     # Per-head sizes: the *_mla keys; files older than the MQA form state them directly.
     key = number(metadata, f"{arch}.attention.key_length_mla", path,
