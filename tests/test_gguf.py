@@ -534,6 +534,27 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path: Path) -> None:
     assert mine.decode(mine.encode("the\nworld ☃").ids) == "the\nworld ☃"
 
 
+@pytest.mark.parametrize("block", [64, 8])  # whole groups of codes / not: exact float32
+def test_column_blocks_move_exactly(block: int) -> None:
+    """``Converted.take_column_blocks`` (Qwen3.5's out_proj): quantized codes move by whole
+    groups where a block holds whole groups, else the exact values move; float16 scales (the
+    32-weight types store them so) widen before dequantizing either way."""
+    from backend.weights.gguf_layouts import Converted
+    from backend.weights.quantize import QuantSpec
+
+    codes, scales, biases = mx.quantize(mx.random.normal((6, 256), key=mx.random.key(0)), 32, 5)
+    tensor = Converted({"weight": codes, "scales": scales.astype(mx.float16),
+                        "biases": biases.astype(mx.float16)}, QuantSpec(32, 5))
+    values = np.array(mx.dequantize(codes, scales.astype(mx.float16).astype(mx.float32),
+                                    biases.astype(mx.float16).astype(mx.float32), 32, 5))
+    np.testing.assert_array_equal(np.array(tensor.dense()), values)
+    order = np.random.default_rng(0).permutation(256 // block)
+    moved = tensor.take_column_blocks(order, block)
+    assert (moved.spec is not None) == (block == 64)
+    expected = values.reshape(6, -1, block)[:, order].reshape(6, 256)
+    np.testing.assert_array_equal(np.array(moved.dense()), expected)
+
+
 def test_gemma4_tokenizer_uses_the_files_merges(tmp_path: Path) -> None:
     """A Gemma 4 vocabulary (tokenizer.ggml.model == "gemma4", as llama.cpp's converter writes
     it from Gemma's tokenizer.json: pieces, byte tokens, the merges in their order) gives the

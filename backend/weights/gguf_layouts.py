@@ -118,8 +118,9 @@ class Converted:
         """The tensor's values as float32 (dequantized when quantized)."""
         if self.spec is None:
             return self.arrays["value"].astype(mx.float32)
-        a = self.arrays
-        return mx.dequantize(a["weight"], a["scales"], a["biases"], self.spec.group_size,
+        a = self.arrays  # float16 scales widen first: their products are float32's
+        return mx.dequantize(a["weight"], a["scales"].astype(mx.float32),
+                             a["biases"].astype(mx.float32), self.spec.group_size,
                              self.spec.bits, stream=mx.cpu)
 
 
