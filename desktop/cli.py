@@ -8,6 +8,7 @@
                 | rm NAME | unpair NAME
     arbor bench [--model M] [--against mlx-lm] [--formats float32,bfloat16,4bit] [--hybrid [F,..]]
                 [--glm]
+    arbor bench cache | spec | batch | gguf --model FILE.gguf   the other suites
 
 Every user-caused problem (bad file, unknown architecture, prompt too long, bad arguments) is
 printed as one line ``arbor: error: ...`` with exit status 2, never a traceback.
@@ -208,13 +209,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "then one round of the Qwen3.5 MTP head and a DFlash block drafter "
                        "against a plain step (random checkpoint, --drafter-size); "
                        "batch: 1..16 clients streaming at once against arbor serve and mlx-lm's "
-                       "server, a long prompt arriving mid-stream, step cost per batch size")
+                       "server, a long prompt arriving mid-stream, step cost per batch size; "
+                       "gguf: a .gguf --model imported with its quantized tensors kept vs as "
+                       "float16 (bytes on disk, decode speed)")
     _model_args(bench)
     bench.add_argument("--against", choices=("mlx-lm", "none"), default="mlx-lm")
     bench.add_argument("--formats", default="float32,bfloat16,4bit")
     bench.add_argument("--prompt-tokens", type=int, default=512)
     bench.add_argument("--new-tokens", type=int,
-                       help="tokens per reply (default: speed 128, cache 48, spec 128)")
+                       help="tokens per reply (default: speed 128, cache 48, spec 128, "
+                       "gguf 128)")
     bench.add_argument("--hybrid", nargs="?", const="qwen3_next", metavar="FAMILIES",
                        help="also benchmark random checkpoints of newer families against "
                        "mlx-lm: comma-separated families among qwen3_next (alone, the "
@@ -477,7 +481,7 @@ def _state_per_token(folder: Path) -> str:
     return f"cache per token: {per_token:,} bytes (float32; {per_token / 1024:.1f} KiB)"
 
 
-BENCH_SUITES = ("speed", "cache", "spec", "batch")
+BENCH_SUITES = ("speed", "cache", "spec", "batch", "gguf")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -487,8 +491,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.against == "mlx-lm":
         bench.require_mlx_lm()  # before any work: one line saying how to get it
-    source = ModelStore().resolve(args.model)
     work = cache_dir() / "bench"
+    if args.suite == "gguf":
+        return _bench_gguf(args, work)
+    source = ModelStore().resolve(args.model)
     if args.suite == "cache":
         return _bench_cache(args, Path(source), work)
     if args.suite == "batch":
@@ -544,6 +550,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rows = bench_glm.run_glm_bench(log=lambda m: print(m, file=sys.stderr))
         print(bench_glm.describe())
         print(bench_hybrid.format_table(rows))
+    return 0
+
+
+def _bench_gguf(args: argparse.Namespace, work: Path) -> int:
+    from backend.bench import gguf as bench_gguf
+    from backend.errors import InvalidRequestError
+
+    path = Path(args.model or "")
+    if path.suffix.lower() != ".gguf" or not path.is_file():
+        raise InvalidRequestError(f"bench gguf needs --model FILE.gguf, got {args.model!r}")
+    new_tokens = args.new_tokens or 128
+    rows = bench_gguf.run(path, work, new_tokens, against_mlx_lm=args.against == "mlx-lm",
+                          log=lambda m: print(m, file=sys.stderr))
+    print(bench_gguf.format_table(rows, path.stat().st_size, new_tokens))
     return 0
 
 

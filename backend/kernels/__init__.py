@@ -208,9 +208,21 @@ MAX_KERNEL_ROWS = 16
 #: the kernel stays ahead for longer (measured crossover ~32 rows for a 1536 x 576 4-bit matrix).
 MAX_QUANTIZED_KERNEL_ROWS = 32
 
-#: The affine layouts ``matvec_q`` / ``dequantize`` (and the fused blocks) take.
+#: The affine layouts ``matvec_q`` / ``dequantize`` (and the fused blocks) take: 4- or 8-bit
+#: codes in groups of 32, 64 or 128, and 8-bit codes in groups of 16 (``quantized_layout_supported``).
 QUANTIZED_BITS = (4, 8)
 QUANTIZED_GROUP_SIZES = (32, 64, 128)
+#: The smaller group the 8-bit kernels also take: GGUF K-quants' 16-weight sub-blocks.
+SMALL_GROUP_SIZE = 16
+#: The group sizes MLX's own quantized products (``mx.quantized_matmul``, ``mx.gather_qmm``)
+#: take; MLX dequantizes groups of 16 but does not multiply by them.
+MLX_MATMUL_GROUP_SIZES = (32, 64, 128)
+
+
+def quantized_layout_supported(bits: int, group_size: int) -> bool:
+    """Whether the quantized kernels take weights of ``bits`` in groups of ``group_size``."""
+    return (bits in QUANTIZED_BITS and group_size in QUANTIZED_GROUP_SIZES) or (
+        bits == 8 and group_size == SMALL_GROUP_SIZE)
 
 #: The layouts whose products can round their inputs to int8 (``int8_inputs``).
 INT8_INPUT_BITS = 4
@@ -265,8 +277,9 @@ def quantized_linear(
     int8_inputs: bool = False,
 ) -> Any:
     """``mx.quantized_matmul(x, wq, scales, biases, transpose=True, ...)``, through the
-    native kernel when it applies (float32 x/scales/biases, bits 4 or 8, group 32/64/128,
-    at most MAX_QUANTIZED_KERNEL_ROWS rows, CPU device); otherwise ``dequantize`` + matmul.
+    native kernel when it applies (float32 x/scales/biases, ``quantized_layout_supported``, at
+    most MAX_QUANTIZED_KERNEL_ROWS rows, CPU device); otherwise ``dequantize`` + matmul (more
+    rows, or groups MLX does not multiply by), or MLX's own product.
 
     ``int8_inputs`` (4-bit weights in groups of 64 or 128, see ``int8_inputs_supported``): the
     kernel rounds each block of 64 inputs to int8 first, ~1.5x as fast at ~2% relative
@@ -275,8 +288,7 @@ def quantized_linear(
     import mlx.core as mx
 
     if (
-        bits in QUANTIZED_BITS
-        and group_size in QUANTIZED_GROUP_SIZES
+        quantized_layout_supported(bits, group_size)
         and x.dtype == mx.float32
         and scales.dtype == mx.float32
         and biases is not None
@@ -290,19 +302,19 @@ def quantized_linear(
                                     int8_inputs and int8_inputs_supported(bits, group_size))
         except ValueError:
             pass  # shapes MLX may still accept (or reject with its own message)
-    if biases is not None and x.dtype == mx.float32 and _rows(x) > MAX_QUANTIZED_KERNEL_ROWS:
-        return x @ dequantize(wq, scales, biases, group_size, bits).T
+    if biases is not None and (group_size not in MLX_MATMUL_GROUP_SIZES or (
+            x.dtype == mx.float32 and _rows(x) > MAX_QUANTIZED_KERNEL_ROWS)):
+        return x @ dequantize(wq, scales, biases, group_size, bits).astype(x.dtype).T
     return mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group_size, bits=bits)
 
 
 def dequantize(wq: Any, scales: Any, biases: Any, group_size: int = 64, bits: int = 4) -> Any:
     """``mx.dequantize`` to float32; the native (threaded, ~7x faster) kernel for float32
-    scales/biases, bits 4 or 8 and group 32/64/128 on the CPU, MLX otherwise."""
+    scales/biases in a ``quantized_layout_supported`` layout on the CPU, MLX otherwise."""
     import mlx.core as mx
 
     if (
-        bits in QUANTIZED_BITS
-        and group_size in QUANTIZED_GROUP_SIZES
+        quantized_layout_supported(bits, group_size)
         and scales.dtype == mx.float32
         and biases is not None
         and biases.dtype == mx.float32
@@ -460,12 +472,12 @@ def gather_linear(x: Any, w: Any, indices: Any) -> Any | None:
 def gather_quantized_linear(x: Any, wq: Any, scales: Any, biases: Any, indices: Any,
                             group_size: int, bits: int) -> Any | None:
     """``gather_linear`` for stacked weights in MLX's affine layout (``wq`` (E, N, K*bits/32),
-    float32 ``scales`` / ``biases`` (E, N, K/group_size), bits 4 or 8, group 32/64/128), else
-    None (then use ``mx.gather_qmm``)."""
+    float32 ``scales`` / ``biases`` (E, N, K/group_size), ``quantized_layout_supported``), else
+    None (then use ``mx.gather_qmm``, or dequantize where MLX does not multiply the layout)."""
     import mlx.core as mx
 
-    if (_gather_applies(x, indices) and bits in QUANTIZED_BITS
-            and group_size in QUANTIZED_GROUP_SIZES and biases is not None
+    if (_gather_applies(x, indices) and quantized_layout_supported(bits, group_size)
+            and biases is not None
             and scales.dtype == mx.float32 and biases.dtype == mx.float32):
         try:
             return _module.gather_matvec_q(x, wq, scales, biases, indices, group_size, bits)

@@ -80,7 +80,7 @@ void grouped_rows(const float* x, int64_t R, int64_t K, int64_t N, int64_t E,
 
 class GatherMatvec : public mx::UnaryPrimitive {
  public:
-  // bits 0: dense w; 4 or 8: MLX's affine layout (wq, scales, biases).
+  // bits 0: dense w; 4 or 8: MLX's affine layout (wq, scales, biases; quantized_layout_supported).
   GatherMatvec(mx::Stream s, int group_size, int bits)
       : mx::UnaryPrimitive(s), group_size_(group_size), bits_(bits) {}
 
@@ -190,8 +190,7 @@ mx::array gather_matvec_q(const mx::array& x, const mx::array& wq, const mx::arr
                           int bits, mx::StreamOrDevice s) {
   check_rows("gather_matvec_q", x, indices);
   const int64_t K = x.shape(-1);
-  const bool ok = (bits == 4 || bits == 8) &&
-      (group_size == 32 || group_size == 64 || group_size == 128) && K % group_size == 0 &&
+  const bool ok = quantized_layout_supported(bits, group_size) && K % group_size == 0 &&
       wq.ndim() == 3 && wq.dtype() == mx::uint32 &&
       static_cast<int64_t>(wq.shape(2)) * 32 / bits == K && scales.ndim() == 3 &&
       scales.dtype() == mx::float32 && biases.dtype() == mx::float32 &&
@@ -200,7 +199,8 @@ mx::array gather_matvec_q(const mx::array& x, const mx::array& wq, const mx::arr
   if (!ok)
     throw std::invalid_argument(
         "[arbor.gather_matvec_q] expected uint32 wq (E, N, K*bits/32) and float32 scales / "
-        "biases (E, N, K/group_size), bits 4 or 8, group_size 32/64/128, for x " + shape_str(x) +
+        "biases (E, N, K/group_size), 4/8 bits in groups of 32/64/128 or 8 in groups of 16, "
+        "for x " + shape_str(x) +
         "; got wq " + shape_str(wq) + " " + dtype_str(wq.dtype()) + ", scales " +
         shape_str(scales) + " " + dtype_str(scales.dtype()) + ", biases " + shape_str(biases) +
         " for bits=" + std::to_string(bits) + ", group_size=" + std::to_string(group_size) + ".");

@@ -268,13 +268,14 @@ Weight take_weight(const char* op, const char* what, const WeightArg& arg, int64
     const auto& sc = arrays[1];
     const auto& bi = arrays[2];
     const bool ok = w.dtype() == mx::uint32 && sc.dtype() == mx::float32 &&
-        bi.dtype() == mx::float32 && (group_size == 32 || group_size == 64 || group_size == 128) &&
+        bi.dtype() == mx::float32 && quantized_layout_supported(bits, group_size) &&
         sc.ndim() == 2 && bi.shape() == sc.shape() && sc.shape(0) == w.shape(0) &&
         static_cast<int64_t>(sc.shape(1)) * group_size ==
             static_cast<int64_t>(w.shape(1)) * 32 / bits;
     if (!ok)
       fail(op, std::string(what) + ": expected uint32 wq (N, K*bits/32) and float32 scales / "
-               "biases (N, K/group_size), group_size 32/64/128; got wq " + shape_str(w) + " " +
+               "biases (N, K/group_size), 4/8 bits in groups of 32/64/128 or 8 in groups of 16; "
+               "got wq " + shape_str(w) + " " +
                dtype_str(w.dtype()) + ", scales " + shape_str(sc) + ", group_size " +
                std::to_string(group_size) + ".");
   } else if (w.dtype() != mx::float32 && w.dtype() != mx::bfloat16 && w.dtype() != mx::float16) {

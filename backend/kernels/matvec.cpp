@@ -212,14 +212,8 @@ mx::array matvec_q(
   if (int8_inputs && !int8_inputs_supported(bits, group_size)) {
     throw std::invalid_argument("[arbor.matvec_q] " + int8_inputs_refusal(bits, group_size));
   }
-  if (bits != 4 && bits != 8) {
-    throw std::invalid_argument(
-        "[arbor.matvec_q] bits must be 4 or 8, got " + std::to_string(bits) + ".");
-  }
-  if (group_size != 32 && group_size != 64 && group_size != 128) {
-    throw std::invalid_argument(
-        "[arbor.matvec_q] group_size must be 32, 64 or 128, got " +
-        std::to_string(group_size) + ".");
+  if (!quantized_layout_supported(bits, group_size)) {
+    throw std::invalid_argument("[arbor.matvec_q] " + quantized_layout_refusal(bits, group_size));
   }
   const bool ranks = x.ndim() >= 1 && wq.ndim() == 2 && scales.ndim() == 2 && biases.ndim() == 2;
   const int64_t K = x.ndim() >= 1 ? x.shape(-1) : -1;
@@ -253,8 +247,7 @@ mx::array matvec_q(
 
 mx::array dequantize(const mx::array& wq, const mx::array& scales, const mx::array& biases,
                      int group_size, int bits, mx::StreamOrDevice s = {}) {
-  const bool ok = (bits == 4 || bits == 8) &&
-      (group_size == 32 || group_size == 64 || group_size == 128) && wq.ndim() == 2 &&
+  const bool ok = quantized_layout_supported(bits, group_size) && wq.ndim() == 2 &&
       scales.ndim() == 2 && biases.shape() == scales.shape() && wq.dtype() == mx::uint32 &&
       scales.dtype() == mx::float32 && biases.dtype() == mx::float32 &&
       scales.shape(0) == wq.shape(0) &&
@@ -263,7 +256,8 @@ mx::array dequantize(const mx::array& wq, const mx::array& scales, const mx::arr
   if (!ok) {
     throw std::invalid_argument(
         "[arbor.dequantize] expected uint32 wq (N, K*bits/32) and float32 scales / biases "
-        "(N, K/group_size), bits 4 or 8, group_size 32/64/128; got wq " + shape_str(wq) + " " +
+        "(N, K/group_size), bits 4 or 8 in groups of 32/64/128 or 8 in groups of 16; got wq " +
+        shape_str(wq) + " " +
         dtype_str(wq.dtype()) + ", scales " + shape_str(scales) + " " +
         dtype_str(scales.dtype()) + ", biases " + shape_str(biases) + " for bits=" +
         std::to_string(bits) + ", group_size=" + std::to_string(group_size) + ".");

@@ -154,6 +154,22 @@ inline void dense_product(const float* x, int64_t M, int64_t K, const mx::array&
   matvec_dense(x, K, M, K, wp, wt, ldw, N, out);
 }
 
+// Whether the quantized kernels take MLX affine weights of this kind: 4- or 8-bit codes in
+// groups of 32, 64 or 128, or 8-bit codes in groups of 16 (GGUF K-quant sub-blocks; the 8-bit
+// loops step through a group one vector at a time, and a vector is at most 16 floats).
+inline bool quantized_layout_supported(int bits, int group_size) {
+  return ((bits == 4 || bits == 8) &&
+          (group_size == 32 || group_size == 64 || group_size == 128)) ||
+         (bits == 8 && group_size == 16);
+}
+
+// The primitives' shared message for a layout they do not take.
+inline std::string quantized_layout_refusal(int bits, int group_size) {
+  return "quantized weights must be 4- or 8-bit codes in groups of 32, 64 or 128, or 8-bit "
+         "codes in groups of 16; got bits=" + std::to_string(bits) + ", group_size=" +
+         std::to_string(group_size) + ".";
+}
+
 // Whether the int8-input kernel takes weights of this kind (matvec_q4_int8_inputs).
 inline bool int8_inputs_supported(int bits, int group_size) {
   return bits == 4 && (group_size == 64 || group_size == 128);

@@ -50,17 +50,25 @@ class KernelLinear(nn.Module):
 
 class KernelQuantizedLinear(nn.Module):
     """Affine-quantized linear layer (float32 scales): kernel for few rows, else dequantize +
-    BLAS. ``int8_inputs`` (set by ``use_int8_inputs``): the kernel rounds inputs to int8."""
+    BLAS. ``int8_inputs`` (set by ``use_int8_inputs``): the kernel rounds inputs to int8.
+    Built from arrays, so it also holds layouts ``nn.QuantizedLinear`` cannot (8-bit codes in
+    groups of 16, from GGUF K-quants)."""
 
-    def __init__(self, layer: nn.QuantizedLinear):
+    def __init__(self, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                 bits: int, bias: mx.array | None = None):
         super().__init__()
-        self.group_size, self.bits = layer.group_size, layer.bits
+        self.group_size, self.bits = group_size, bits
         self.int8_inputs = False
-        self.weight, self.scales = layer.weight, layer.scales.astype(mx.float32)
-        self.biases = layer.biases.astype(mx.float32)
-        if "bias" in layer:
-            self.bias = layer.bias
+        self.weight, self.scales = weight, scales.astype(mx.float32)
+        self.biases = biases.astype(mx.float32)
+        if bias is not None:
+            self.bias = bias
         self.freeze()
+
+    @classmethod
+    def from_layer(cls, layer: nn.QuantizedLinear) -> "KernelQuantizedLinear":
+        return cls(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits,
+                   layer.get("bias"))
 
     def __call__(self, x: mx.array) -> mx.array:
         y = _quantized_product(self, x)
@@ -83,15 +91,23 @@ class KernelEmbedding(nn.Embedding):
 
 
 class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
-    """Quantized embedding: lookups as MLX does them, the tied projection through the kernel."""
+    """Quantized embedding: lookups as MLX does them (``mx.dequantize`` of the rows, which
+    takes every group size), the tied projection through the kernel. Built from arrays, like
+    ``KernelQuantizedLinear``."""
 
-    def __init__(self, layer: nn.QuantizedEmbedding):
-        num, dims = layer.num_embeddings, layer.dims
-        super().__init__(num, dims, layer.group_size, layer.bits)
+    def __init__(self, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                 bits: int):
+        nn.Module.__init__(self)  # not nn.QuantizedEmbedding's: it quantizes a random table
+        self.num_embeddings, self.dims = weight.shape[0], weight.shape[1] * 32 // bits
+        self.group_size, self.bits, self.mode = group_size, bits, "affine"
         self.int8_inputs = False
-        self.weight, self.scales = layer.weight, layer.scales.astype(mx.float32)
-        self.biases = layer.biases.astype(mx.float32)
+        self.weight, self.scales = weight, scales.astype(mx.float32)
+        self.biases = biases.astype(mx.float32)
         self.freeze()
+
+    @classmethod
+    def from_layer(cls, layer: nn.QuantizedEmbedding) -> "KernelQuantizedEmbedding":
+        return cls(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
 
     def as_linear(self, x: mx.array) -> mx.array:
         return _quantized_product(self, x)

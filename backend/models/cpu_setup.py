@@ -26,11 +26,11 @@ from backend.models.fused_layer import FusedLayer
 def _swap(_path: str, module: nn.Module) -> nn.Module:
     affine = getattr(module, "mode", "affine") == "affine"
     if isinstance(module, nn.QuantizedLinear) and module.bits in (4, 8) and affine:
-        return KernelQuantizedLinear(module)
+        return KernelQuantizedLinear.from_layer(module)
     if isinstance(module, nn.Linear) and type(module) is nn.Linear:
         return KernelLinear(module.weight, module.get("bias"))
     if type(module) is nn.QuantizedEmbedding and module.bits in (4, 8) and affine:
-        return KernelQuantizedEmbedding(module)
+        return KernelQuantizedEmbedding.from_layer(module)
     if type(module) is nn.Embedding:
         return KernelEmbedding(module)
     return module

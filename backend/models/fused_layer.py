@@ -41,8 +41,7 @@ def kernel_weight(source) -> kernels.KernelWeight | None:
         return None
     if not isinstance(first, KernelQuantizedLinear):
         return kernels.KernelWeight(arrays)
-    if first.bits not in kernels.QUANTIZED_BITS or \
-            first.group_size not in kernels.QUANTIZED_GROUP_SIZES:
+    if not kernels.quantized_layout_supported(first.bits, first.group_size):
         return None
     return kernels.KernelWeight(arrays, first.bits, first.group_size, first.int8_inputs)
 

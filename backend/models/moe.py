@@ -85,7 +85,11 @@ class SwitchLinear(nn.Module):
 
 
 class QuantizedSwitchLinear(nn.Module):
-    """Stacked experts quantized per expert row group: packed ``weight``, ``scales``, ``biases``."""
+    """Stacked experts quantized per expert row group: packed ``weight``, ``scales``, ``biases``.
+
+    Groups of 16 (GGUF Q2_K/Q3_K/Q6_K experts, built by ``from_arrays``) are a layout MLX
+    dequantizes but does not multiply: their products run on the native kernel (8-bit codes),
+    else on the picked experts dequantized."""
 
     #: Products through the native CPU kernel (set by ``use_cpu_kernels``).
     native_ops = False
@@ -102,6 +106,20 @@ class QuantizedSwitchLinear(nn.Module):
         self.biases = mx.zeros((experts, output_dims, input_dims // group_size))
         self.freeze()
 
+    @classmethod
+    def from_arrays(cls, weight: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                    bits: int) -> "QuantizedSwitchLinear":
+        """The layer holding these arrays, in any layout MLX dequantizes (``to_quantized``
+        goes through ``mx.quantize``, which takes groups of 32, 64 and 128 only)."""
+        experts, out, words = weight.shape
+        layer = cls(words * 32 // bits, out, experts, group_size, bits)
+        layer.weight, layer.scales, layer.biases = weight, scales, biases
+        return layer
+
+    @property
+    def _mlx_multiplies(self) -> bool:
+        return self.group_size in kernels.MLX_MATMUL_GROUP_SIZES
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if self.native_ops:
             rows, index = _pairs(x, indices)
@@ -109,10 +127,17 @@ class QuantizedSwitchLinear(nn.Module):
                                                 index, self.group_size, self.bits)
             if y is not None:
                 return mx.expand_dims(y, -2)
+        if not self._mlx_multiplies:  # the picked experts only: (..., k, out, in)
+            w = mx.dequantize(self.weight[indices], self.scales[indices], self.biases[indices],
+                              self.group_size, self.bits)
+            return x @ w.astype(x.dtype).swapaxes(-1, -2)
         return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=indices,
                              transpose=True, group_size=self.group_size, bits=self.bits)
 
     def expert(self, x: mx.array, index: int) -> mx.array:
+        if not self._mlx_multiplies:
+            return kernels.quantized_linear(x, self.weight[index], self.scales[index],
+                                            self.biases[index], self.group_size, self.bits)
         return mx.quantized_matmul(x, self.weight[index], self.scales[index],
                                    self.biases[index], transpose=True,
                                    group_size=self.group_size, bits=self.bits)

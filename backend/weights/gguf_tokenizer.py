@@ -98,6 +98,28 @@ _PRE_TOKENIZERS: dict[str, tuple[dict[str, Any], bool]] = {
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
 
+# Control tokens that end a turn in the chat formats llama.cpp recognises by their text (it
+# stops generation at them whatever the file's eos id says): Gemma's, ChatML's, Llama 3's, Phi's.
+_END_OF_TURN_TEXTS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
+
+# The turn format of architectures whose GGUF files often carry no chat template (Gemma 3's
+# smallest releases): user and model turns between <start_of_turn> and <end_of_turn>; Gemma has
+# no system role, so a system message opens the first user turn.
+_DEFAULT_TEMPLATES = {
+    "gemma3": (
+        "{{ bos_token }}"
+        "{% set system = messages[0]['content'] + '\n\n' "
+        "if messages and messages[0]['role'] == 'system' else '' %}"
+        "{% for message in messages if message['role'] != 'system' %}"
+        "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user') + '\n' }}"
+        "{{ (system if loop.first else '') + message['content'] | trim }}"
+        "{{ '<end_of_turn>\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+    ),
+}
+
+
 @dataclass(frozen=True)
 class TokenizerFiles:
     """What ``build_tokenizer`` produces: the contents of tokenizer.json and tokenizer_config.json,
@@ -225,12 +247,13 @@ def _sentencepiece_merges(
 
 
 def _sentencepiece_bpe(
-    metadata: Mapping[str, Any], path: Path
+    metadata: Mapping[str, Any], path: Path, merges: list[list[str]] | None = None
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """``tokenizer.ggml.model == "llama"``: SentencePiece BPE, byte fallback, ``▁`` for spaces."""
+    """``tokenizer.ggml.model == "llama"``: SentencePiece BPE, byte fallback, ``▁`` for spaces;
+    the merges implied by the scores unless ``merges`` gives them."""
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
     scores = metadata.get("tokenizer.ggml.scores")
-    if scores is None:
+    if scores is None and merges is None:
         raise ModelLoadError(f"{path}: SentencePiece vocabulary without scores")
     types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
     vocab: dict[str, int] = {}
@@ -260,7 +283,8 @@ def _sentencepiece_bpe(
         "byte_fallback": True,
         "ignore_merges": False,
         "vocab": vocab,
-        "merges": _sentencepiece_merges(tokens, list(scores), vocab),
+        "merges": merges if merges is not None else _sentencepiece_merges(
+            tokens, list(scores), vocab),
     }
     body = {
         "normalizer": None,
@@ -276,7 +300,21 @@ def _sentencepiece_bpe(
     return body, added
 
 
-_TOKENIZER_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+def _gemma4_bpe(
+    metadata: Mapping[str, Any], path: Path
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``tokenizer.ggml.model == "gemma4"`` (llama.cpp's converter, from Gemma 4's
+    tokenizer.json): SentencePiece-style BPE (``▁`` for spaces, byte fallback, no space prefix)
+    whose merges the file lists, in their order."""
+    merges = metadata.get("tokenizer.ggml.merges")
+    if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+        raise ModelLoadError(f"{path}: Gemma 4 vocabulary without its merges")
+    return _sentencepiece_bpe({**metadata, "tokenizer.ggml.add_space_prefix": False}, path,
+                              merges=[merge.split(" ", 1) for merge in merges])
+
+
+_TOKENIZER_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe,
+                       "gemma4": _gemma4_bpe}
 
 
 #: ``tokenizer.*`` keys the conversion reads, and what each must hold when present.
@@ -349,7 +387,7 @@ def build_tokenizer(metadata: Mapping[str, Any], path: Path) -> TokenizerFiles:
         for k in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
     )
     # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise.
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind == "llama"))
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", kind in ("llama", "gemma4")))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     tokenizer = {
         "version": "1.0",
@@ -392,11 +430,17 @@ def build_tokenizer(metadata: Mapping[str, Any], path: Path) -> TokenizerFiles:
     context = next((v for k, v in metadata.items() if k.endswith(".context_length")), None)
     if context is not None:
         config["model_max_length"] = int(context)
-    template = metadata.get("tokenizer.chat_template")
+    template = metadata.get("tokenizer.chat_template") or _DEFAULT_TEMPLATES.get(
+        metadata.get("general.architecture"))
     if template:
         config["chat_template"] = template
-    # End-of-turn ids: llama.cpp's EOS plus EOT/EOM where the file has them (Llama 3's <|eot_id|>).
+    # End-of-turn ids: llama.cpp's EOS plus EOT/EOM where the file has them (Llama 3's
+    # <|eot_id|>), plus the control tokens it recognises as turn ends by their text.
+    types = metadata.get("tokenizer.ggml.token_type") or []
+    turn_ends = [i for i, text in enumerate(tokens) if text in _END_OF_TURN_TEXTS
+                 and i < len(types) and types[i] == _CONTROL]
     eos_ids = [
-        i for i in (eos, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None
+        i for i in (eos, token_id("eot_token_id"), token_id("eom_token_id"), *turn_ends)
+        if i is not None
     ]
     return TokenizerFiles(tokenizer, config, list(dict.fromkeys(eos_ids)))

@@ -10,7 +10,10 @@ float16). On the CPU, quantized weights are dequantized to float32 at load time 
 fits comfortably in memory (``ARBOR_DEQUANTIZE_LIMIT`` bytes, default 8 GiB), because that is
 the fastest path through MLX's own CPU ops; otherwise they stay quantized with float32 scales.
 When Arbor's native CPU kernels are built (``backend.kernels``), linear layers use them for
-decode instead (``models/cpu_setup.py``) and quantized weights stay quantized.
+decode instead (``models/cpu_setup.py``) and quantized weights stay quantized; codes the kernels
+do not read (2, 3, 5, 6 bits; GGUF imports) are widened to 8-bit codes of the same values.
+Groups of 16 (GGUF Q2_K/Q3_K/Q6_K) are a layout MLX dequantizes but does not multiply: they run
+on the kernels or are dequantized.
 """
 
 from __future__ import annotations
@@ -21,16 +24,23 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map_with_path
 
 from backend import kernels
 from backend.errors import CheckpointError, ConfigError, ModelLoadError
 from backend.models import architecture_args
 from backend.models.base import LanguageModel
+from backend.models.cpu_linear import KernelQuantizedEmbedding, KernelQuantizedLinear
 from backend.models.cpu_setup import use_cpu_kernels
-from backend.models.moe import SwitchLinear
+from backend.models.moe import QuantizedSwitchLinear, SwitchLinear
 from backend.weights.files import check_safetensors, read_config, weight_files
-from backend.weights.quantize import QuantSpec, read_quantization, spec_for
+from backend.weights.quantize import (
+    MATMUL_GROUP_SIZES,
+    QuantSpec,
+    read_quantization,
+    spec_for,
+    widen_codes,
+)
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -83,6 +93,59 @@ def _should_dequantize(weights: dict[str, mx.array]) -> bool:
     for k, w in weights.items():
         estimate += w.size * 4 * (32 // 4) if w.dtype == mx.uint32 else w.size * 4
     return estimate <= limit
+
+
+def _fit_quantized_layouts(model: LanguageModel, weights: dict[str, mx.array],
+                           quant: Quantization, cpu_kernels: bool, compute: mx.Dtype
+                           ) -> tuple[dict[str, mx.array], Quantization, dict[str, nn.Module]]:
+    """Quantized layers in a form this run can multiply, values unchanged:
+
+    * on the CPU kernels, linear and embedding layers whose codes the kernels do not read (2,
+      3, 5 or 6 bits, or 4 bits in groups of 16: GGUF Q5_x, Q2_K..Q6_K) get the same values as
+      8-bit codes (``widen_codes``); stacked experts only in groups of 16;
+    * groups of 16 (GGUF Q2_K, Q3_K, Q6_K), which MLX dequantizes but its matmuls do not take:
+      kernel layers (stacked experts: ``QuantizedSwitchLinear.from_arrays``, whose gathered
+      products take the kernel) built from the arrays on the kernel path (returned by module
+      path, for the caller to put in place of ``nn.quantize``), otherwise dequantized to
+      ``compute``.
+
+    Returns the weights, the quantization with updated per-module specs, and those layers."""
+    default, overrides = quant[0], dict(quant[1])
+    modules = dict(tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module))
+    out = dict(weights)
+    prebuilt: dict[str, nn.Module] = {}
+    for path in [k[: -len(".scales")] for k in weights if k.endswith(".scales")]:
+        spec = spec_for(path, default, overrides)
+        kind = type(modules[path])
+        on_kernels = cpu_kernels and kind in (nn.Linear, nn.Embedding, SwitchLinear)
+        # Stacked experts hold most of an MoE's bytes: their codes are widened only where MLX
+        # cannot multiply them (groups of 16); other layouts keep MLX's gather_qmm.
+        widen = kind is not SwitchLinear or spec.group_size not in MATMUL_GROUP_SIZES
+        if on_kernels and widen and not kernels.quantized_layout_supported(spec.bits,
+                                                                            spec.group_size):
+            out[f"{path}.weight"] = widen_codes(out[f"{path}.weight"], spec)
+            spec = overrides[path] = QuantSpec(spec.group_size, 8)
+        if spec.group_size in MATMUL_GROUP_SIZES:
+            continue
+        arrays = [out[f"{path}.{name}"] for name in ("weight", "scales", "biases")]
+        if on_kernels:
+            arrays[1:] = [a.astype(mx.float32) for a in arrays[1:]]
+            if kind is nn.Linear:
+                prebuilt[path] = KernelQuantizedLinear(*arrays, spec.group_size, spec.bits,
+                                                       out.get(f"{path}.bias"))
+            elif kind is SwitchLinear:
+                prebuilt[path] = QuantizedSwitchLinear.from_arrays(*arrays, spec.group_size,
+                                                                   spec.bits)
+            else:
+                prebuilt[path] = KernelQuantizedEmbedding(*arrays, spec.group_size, spec.bits)
+            continue
+        dense = mx.dequantize(arrays[0], arrays[1].astype(mx.float32),
+                              arrays[2].astype(mx.float32), spec.group_size, spec.bits,
+                              stream=mx.cpu)
+        out[f"{path}.weight"] = dense.astype(compute)
+        del out[f"{path}.scales"], out[f"{path}.biases"]
+        overrides[path] = None
+    return out, (default, overrides), prebuilt
 
 
 def _kernel_weights(model: nn.Module) -> set[str]:
@@ -246,11 +309,18 @@ def load_model(folder: str | Path, dtype: str | None = None,
         weights = _dequantize_all(weights, quant, compute)
         quantized = False
     if quantized:
+        weights, quant, prebuilt = _fit_quantized_layouts(model, weights, quant, cpu_kernels,
+                                                          compute)
+
         def quantized_layer(path: str, module_: nn.Module) -> bool | dict:
-            if f"{path}.scales" not in weights:
+            if f"{path}.scales" not in weights or path in prebuilt:
                 return False
             return spec_for(path, *quant).as_config()
         nn.quantize(model, class_predicate=quantized_layer)
+        if prebuilt:
+            model.update_modules(tree_map_with_path(lambda path, m: prebuilt.get(path, m),
+                                                    model.leaf_modules(),
+                                                    is_leaf=nn.Module.is_module))
     keep = _kernel_weights(model) if cpu_kernels else set()
     weights = _cast_weights(weights, compute, quantized=quantized, keep_16bit=keep)
     model.load_weights(list(weights.items()), strict=True)  # check_weights vetted every name

@@ -13,9 +13,14 @@ so that ``w = scales * q + biases`` group by group (``mx.dequantize``). ``config
 ``.weight``) whose spec differs: a ``{"group_size", "bits"}`` dict, or ``false`` for a linear layer
 kept in floating point. This is what mlx-lm reads and writes.
 
-Scales and biases are always float32 here, whatever the source dtype: on MLX's CPU backend
-quantized matmuls with float16/bfloat16 scales are several times slower, and float16 values (the
-GGUF block scales) are exact in float32.
+Scales and biases that Arbor computes are float32: on MLX's CPU backend quantized matmuls with
+float16/bfloat16 scales are several times slower. (GGUF imports store them as float16 where
+every value is a float16 exactly, to save disk; the loader widens every scale to float32 on the
+CPU, which is exact.)
+
+Groups of 16 (from GGUF K-quants, see ``SUPPORTED_GROUP_SIZES``) are a layout MLX dequantizes but
+does not multiply; ``widen_codes`` rewrites any layout as 8-bit codes of the same values, which the
+native kernels multiply in every group size.
 
 Scope: the tensor-level operations and the config block. Which tensors to quantize and how to
 stream them through files is the caller's business (``store.py``, ``gguf.py``).
@@ -30,6 +35,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from backend import kernels
 from backend.errors import ConfigError
 
 #: dtype of ``.scales`` / ``.biases`` written by Arbor (see module docstring for why).
@@ -112,8 +118,13 @@ def quantization_block(layers: Mapping[str, QuantSpec | None]) -> dict[str, Any]
     return block
 
 
-#: Group sizes MLX's affine quantization supports.
-SUPPORTED_GROUP_SIZES = (32, 64, 128)
+#: Group sizes MLX's quantized matmuls (and ``mx.quantize``) take.
+MATMUL_GROUP_SIZES = kernels.MLX_MATMUL_GROUP_SIZES
+
+#: Group sizes a model folder may use: MLX's, plus 16, the sub-block of llama.cpp's Q2_K, Q3_K
+#: and Q6_K (gguf_quants.py). MLX dequantizes groups of 16 but cannot multiply by them, so the
+#: loader runs such layers on the native CPU kernels or dequantizes them (loading.py).
+SUPPORTED_GROUP_SIZES = (16, *MATMUL_GROUP_SIZES)
 
 
 def read_quantization(
@@ -175,3 +186,15 @@ def describe_quantization(config: Mapping[str, Any]) -> str | None:
     if not specs:
         return None
     return " + ".join(spec.describe() for spec in specs)
+
+
+def widen_codes(weight: mx.array, spec: QuantSpec) -> mx.array:
+    """``weight``'s ``spec.bits``-bit codes repacked as 8-bit codes (``QuantSpec(
+    spec.group_size, 8)``), values unchanged: with the same scales and biases it dequantizes to
+    the same weights bit for bit. For kernels that read 4- and 8-bit codes only."""
+    *lead, words = weight.shape
+    groups = words * 32 // spec.bits // spec.group_size
+    ones = mx.ones((*lead, groups), dtype=mx.float32)
+    codes = mx.dequantize(weight, ones, mx.zeros_like(ones), spec.group_size, spec.bits,
+                          stream=mx.cpu)  # exact: small integers in float32
+    return codes.astype(mx.uint8).view(mx.uint32)
