@@ -90,6 +90,7 @@ class MainWindow(QMainWindow):
         self.current_id: int | None = None
         self._deleted: list[tuple[int, str]] = []
         self._model_manager: ModelManagerDialog | None = None
+        self._cache_dialog: CacheDialog | None = None
         self._settings_dialog: ChatSettingsDialog | None = None
         drafts = store.app_setting(DRAFTS_KEY, {})
         self.drafts: dict[int | None, str] = {
@@ -588,9 +589,14 @@ class MainWindow(QMainWindow):
         """The prefix cache's budgets, live use per tier and "clear" (non-modal)."""
         dialog = CacheDialog(self.store, self.client, parent=self)
         dialog.finished.connect(dialog.deleteLater)
+        dialog.finished.connect(lambda: self._forget_cache_dialog(dialog))
         self._cache_dialog = dialog
         dialog.open()
         return dialog
+
+    def _forget_cache_dialog(self, dialog: CacheDialog) -> None:
+        if self._cache_dialog is dialog:
+            self._cache_dialog = None
 
     def open_model_manager(self) -> ModelManagerDialog:
         if self._model_manager is None:
@@ -705,6 +711,9 @@ class MainWindow(QMainWindow):
         self.controller.stop_all()
         if self._model_manager is not None:
             self._model_manager.close()
+        if self._cache_dialog is not None:
+            # Its fields apply on focus-out: left open, one would write to a closed store.
+            self._cache_dialog.close()
         event.accept()
 
     def _exists(self, conversation_id: int) -> bool:

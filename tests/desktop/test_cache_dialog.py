@@ -73,8 +73,11 @@ def test_the_shown_budgets_are_the_engines_and_stay_put_until_restored(qtbot, tm
                                                                       monkeypatch):
     # The machine's default disk budget follows the free space: a new value at every look.
     disk = itertools.count(5000, 700)
-    monkeypatch.setattr("desktop.cache_settings.default_budgets",
-                        lambda: CacheBudgets(256 * MIB, 512 * MIB, next(disk) * MIB))
+    def machine_default() -> CacheBudgets:
+        return CacheBudgets(256 * MIB, 512 * MIB, next(disk) * MIB)
+
+    for where in ("desktop.cache_settings", "desktop.ui.cache_dialog"):
+        monkeypatch.setattr(f"{where}.default_budgets", machine_default)
     store = ChatStore(tmp_path / "chats.sqlite3")
     assert store.app_setting(CACHE_BUDGETS_KEY) is None
     # The app's own loader: the engine gets the budgets the app stores.
@@ -109,3 +112,20 @@ def test_the_shown_budgets_are_the_engines_and_stay_put_until_restored(qtbot, tm
         parts.window.close()
         assert parts.shutdown(5.0)
         parts.theme.deleteLater()
+
+
+def test_closing_the_window_closes_an_open_cache_dialog(qtbot, tmp_path, tiny_model_dir):
+    # Regression: a dialog left open applied its fields on focus-out after the store had closed.
+    store = ChatStore(tmp_path / "chats.sqlite3")
+    parts = create_app(str(tiny_model_dir("llama")), store=store, theme="light")
+    parts.window.show()
+    try:
+        qtbot.waitUntil(lambda: parts.window.controller.model_info is not None, timeout=30000)
+        dialog = parts.window.open_cache_dialog()
+        qtbot.waitUntil(dialog.isVisible)
+    finally:
+        parts.window.close()
+        assert parts.shutdown(5.0)
+        parts.theme.deleteLater()
+    assert parts.window._cache_dialog is None
+    qtbot.waitUntil(lambda: not dialog.isVisible())
