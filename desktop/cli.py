@@ -230,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--drafter-size", default="1024x8", metavar="HIDDENxLAYERS",
                       help="width and depth of the random Qwen3.5-shaped checkpoint the "
                       "checkpoint drafters' rounds are timed on (0 leaves them out)")
+    spec.add_argument("--assistant-size", default="1536x10", metavar="HIDDENxLAYERS",
+                      help="width and depth of the random Gemma 4 E2B-shaped target the "
+                      "assistant drafter is timed against (0 leaves it out)")
     batch = bench.add_argument_group("bench batch")
     batch.add_argument("--clients", default="1,2,4,8,16",
                        help="concurrent client counts, comma separated")
@@ -502,25 +505,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.suite == "spec":
         from backend.bench import spec as bench_spec
 
+        # Both sizes read before any work: a typo costs one line, not a whole run.
+        assistant_size = _size_option("--assistant-size", args.assistant_size)
+        drafter_size = _size_option("--drafter-size", args.drafter_size)
         new_tokens = args.new_tokens or 128
         rows = bench_spec.run(Path(source), work, new_tokens,
                               against_mlx_lm=args.against == "mlx-lm",
                               log=lambda m: print(m, file=sys.stderr))
         print(bench_spec.format_table(rows, new_tokens))
-        from backend.bench import assistant as bench_assistant
+        if assistant_size:
+            from backend.bench import assistant as bench_assistant
 
-        costs, same = bench_assistant.run(work, work / f"{Path(source).name}-float32",
-                                          log=lambda m: print(m, file=sys.stderr))
-        print(bench_assistant.format_rows(costs, same))
-        if args.drafter_size != "0":
+            costs, same = bench_assistant.run(work, work / f"{Path(source).name}-float32",
+                                              *assistant_size,
+                                              log=lambda m: print(m, file=sys.stderr))
+            print(bench_assistant.format_rows(costs, same))
+        if drafter_size:
             from backend.bench import drafters as bench_drafters
-            from backend.errors import InvalidRequestError
 
-            try:
-                hidden, layers = (int(v) for v in args.drafter_size.lower().split("x"))
-            except ValueError:
-                raise InvalidRequestError(f"--drafter-size {args.drafter_size!r} is not "
-                                          "HIDDENxLAYERS, e.g. 1024x8") from None
+            hidden, layers = drafter_size
             costs, same = bench_drafters.run(Path(source), work, hidden, layers,
                                              log=lambda m: print(m, file=sys.stderr))
             print(bench_drafters.format_table(costs, same, hidden, layers))
@@ -551,6 +554,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(bench_glm.describe())
         print(bench_hybrid.format_table(rows))
     return 0
+
+
+def _size_option(flag: str, value: str) -> tuple[int, int] | None:
+    """A HIDDENxLAYERS option's two numbers, None for "0" (leave that part out)."""
+    from backend.errors import InvalidRequestError
+
+    if value == "0":
+        return None
+    try:
+        hidden, layers = (int(v) for v in value.lower().split("x"))
+    except ValueError:
+        raise InvalidRequestError(f"{flag} {value!r} is not HIDDENxLAYERS, e.g. 1024x8") from None
+    if hidden < 1 or layers < 1:
+        raise InvalidRequestError(f"{flag} {value!r}: both numbers must be at least 1")
+    return hidden, layers
 
 
 def _bench_gguf(args: argparse.Namespace, work: Path) -> int:

@@ -4,6 +4,8 @@ against mlx-lm. Timings themselves are never asserted."""
 
 from __future__ import annotations
 
+import pytest
+
 from backend.bench import spec as bench_spec
 
 
@@ -28,7 +30,22 @@ def test_arbor_bench_spec_on_the_command_line(tiny_model_dir, tmp_path, monkeypa
     from desktop.cli import main
 
     monkeypatch.setenv("ARBOR_HOME", str(tmp_path / "home"))
+    # Small random checkpoints for the assistant and checkpoint-drafter parts: their code
+    # paths, not their published shapes (those are for the measurements).
     assert main(["bench", "spec", "--model", str(tiny_model_dir("llama")),
-                 "--against", "none", "--new-tokens", "8"]) == 0
+                 "--against", "none", "--new-tokens", "8", "--assistant-size", "256x2",
+                 "--drafter-size", "128x4"]) == 0
     table = capsys.readouterr().out
     assert "prompt lookup" in table and "draft model" in table and "mlx-lm" not in table
+    assert "Gemma 4 assistant" in table and "same tokens as plain: yes" in table
+    assert "dflash" in table and "mtp" in table
+
+
+@pytest.mark.parametrize("flag", ["--assistant-size", "--drafter-size"])
+def test_a_malformed_size_is_one_clear_line(flag, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from desktop.cli import main
+
+    monkeypatch.setenv("ARBOR_HOME", str(tmp_path / "home"))
+    assert main(["bench", "spec", "--model", str(tiny_model_dir("llama")), "--against", "none",
+                 flag, "wide"]) != 0
+    assert f"{flag} 'wide' is not HIDDENxLAYERS" in capsys.readouterr().err
