@@ -15,7 +15,7 @@ import mlx.core as mx
 from backend.caches.base import Cache
 from backend.caches.kv import KVCache
 from backend.errors import ConfigError
-from backend.models.base import args_from_config, complete_attention_heads, one_of
+from backend.models.base import DecoderArgs, args_from_config, complete_attention_heads, one_of
 from backend.models.decoder import Backbone, DecoderModel, PreNormDecoderLayer
 from backend.models.layers import ACTIVATIONS, Attention, AttentionShape, RMSNorm
 from backend.models.moe import SparseMoE, check_routing, is_sparse_layer, layer_mlp, \
@@ -26,13 +26,7 @@ MODEL_TYPES = ("qwen3_moe",)
 
 
 @dataclass
-class ModelArgs:
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    vocab_size: int
+class ModelArgs(DecoderArgs):
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
