@@ -8,6 +8,7 @@ token and exactly one ``DoneEvent`` last.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -100,6 +101,18 @@ class DoneEvent:
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     restore_s: float = 0.0
     dropped_messages: int = 0  # old messages the context-overflow policy left out
+
+
+def collect_reply(events: Iterable[TokenEvent | DoneEvent]) -> tuple[list[int], DoneEvent | None]:
+    """The token ids one generation's ``events`` streamed (``token_id >= 0``) and its
+    ``DoneEvent`` (None if it sent none)."""
+    ids, done = [], None
+    for event in events:
+        if isinstance(event, DoneEvent):
+            done = event
+        elif isinstance(event, TokenEvent) and event.token_id >= 0:
+            ids.append(event.token_id)
+    return ids, done
 
 
 @dataclass(frozen=True)

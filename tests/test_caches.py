@@ -6,8 +6,6 @@ so a test reads exactly which positions a buffer or snapshot holds, in which ord
 
 from __future__ import annotations
 
-import gc
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -20,6 +18,11 @@ from backend.caches.kv import KVCache, KVSnapshot
 from backend.caches.recurrent import RecurrentCache, RecurrentSnapshot
 from backend.caches.rotating import RotatingKVCache, RotatingSnapshot
 from backend.caches.scan import causal_conv1d
+from tests.fixtures.span_caches import (
+    SpanKind, active_bytes_held, check_broken_contracts_raise_with_the_values,
+    check_free_copies_out_every_lazy_snapshot,
+    check_lazy_snapshots_cost_nothing_until_a_write_overwrites_them,
+    check_merge_and_split_keep_contents_and_laziness, check_schedule_persists_across_chunked_writes)
 
 HEADS, DIM = 2, 4
 
@@ -45,32 +48,16 @@ def fill(cache, n: int, chunk: int = 1) -> None:
 
 # -- KVCache -------------------------------------------------------------------------------------
 
+# A position of an owned snapshot: its key and value, float32.
+KV = SpanKind(KVCache, write, positions_of, lambda snap: snap.arrays()[0], 2 * HEADS * DIM * 4)
+
+
 def test_kv_lazy_snapshots_cost_nothing_until_a_write_overwrites_them():
-    cache = KVCache()
-    write(cache, 0, 20)
-    cache.prepare_snapshots([25, 30])
-    write(cache, 20, 12)
-    first, second = cache.take_snapshots()
-    assert (first.start, first.end, second.start, second.end) == (20, 25, 25, 30)
-    assert first.is_lazy and second.is_lazy and first.nbytes == second.nbytes == 0
-    assert cache.restore(None, 26)  # rejecting a draft: an offset move, nothing copied
-    assert second.is_lazy and second.nbytes == 0
-    write(cache, 26, 3)  # overwrites positions 26..28 that `second` still needs
-    assert not second.is_lazy and second.nbytes == 2 * HEADS * 5 * DIM * 4
-    assert positions_of(second.arrays()[0]) == list(range(25, 30))  # the old contents
-    assert first.is_lazy  # ends at 25 <= 26: untouched
-    assert positions_of(cache.keys[..., :29, :]) == list(range(29))
+    check_lazy_snapshots_cost_nothing_until_a_write_overwrites_them(KV)
 
 
 def test_kv_free_copies_out_every_lazy_snapshot():
-    cache = KVCache()
-    write(cache, 0, 10)
-    snap = cache.snapshot(2, 8)
-    assert snap.is_lazy
-    cache.free()
-    assert not snap.is_lazy and positions_of(snap.arrays()[0]) == list(range(2, 8))
-    assert cache.nbytes == 0 and cache.offset == 0
-    snap.close()
+    check_free_copies_out_every_lazy_snapshot(KV)
 
 
 def test_kv_restore_own_lazy_snapshot_is_an_offset_move():
@@ -97,21 +84,7 @@ def test_kv_restore_from_an_owned_snapshot_into_another_cache():
 
 
 def test_kv_merge_and_split_keep_contents_and_laziness():
-    cache = KVCache()
-    write(cache, 0, 20)
-    a, b = cache.snapshot(0, 8), cache.snapshot(8, 20)
-    merged = cache.merge(a, b)
-    assert merged.is_lazy and (merged.start, merged.end) == (0, 20)
-    left, right = cache.split(merged, 5)
-    assert left.is_lazy and right.is_lazy
-    assert positions_of(right.arrays()[0]) == list(range(5, 20))
-    cache.free()  # everything copies out
-    l1, l2 = cache.split(right, 9)
-    assert (l1.start, l1.end, l2.start, l2.end) == (5, 9, 9, 20)
-    assert l1.nbytes + l2.nbytes == right_bytes(15)
-    assert positions_of(l1.arrays()[0]) == [5, 6, 7, 8]
-    whole = cache.merge(left, l1)
-    assert positions_of(whole.arrays()[0]) == list(range(9)) and not whole.is_lazy
+    check_merge_and_split_keep_contents_and_laziness(KV)
 
 
 def right_bytes(n: int) -> int:
@@ -119,47 +92,11 @@ def right_bytes(n: int) -> int:
 
 
 def test_kv_broken_contracts_raise_with_the_values():
-    cache = KVCache()
-    write(cache, 0, 10)
-    with pytest.raises(ValueError, match="increasing"):
-        cache.prepare_snapshots([15, 12])
-    with pytest.raises(ValueError, match="increasing"):
-        cache.prepare_snapshots([5])
-    with pytest.raises(ValueError, match="negative"):
-        cache.restore(None, -1)
-    with pytest.raises(ValueError, match="forward"):
-        cache.restore(None, 11)
-    with pytest.raises(TypeError, match="RotatingSnapshot"):
-        cache.restore(RotatingSnapshot(None, 0, 1, 0, *coded(0, 1)), 1)
-    snap = cache.snapshot(2, 6)
-    with pytest.raises(ValueError, match="split point 6"):
-        cache.split(snap, 6)
-    with pytest.raises(ValueError, match="not adjacent"):
-        cache.merge(snap, cache.snapshot(7, 9))
+    check_broken_contracts_raise_with_the_values(KV, RotatingSnapshot(None, 0, 1, 0, *coded(0, 1)))
 
 
 def test_kv_schedule_persists_across_chunked_writes():
-    cache = KVCache()
-    cache.prepare_snapshots([0, 5, 12, 20])
-    for start, n in ((0, 7), (7, 9), (16, 4)):
-        write(cache, start, n)
-    spans = [(s.start, s.end) for s in cache.take_snapshots()]
-    assert spans == [(0, 0), (0, 5), (5, 12), (12, 20)]
-    assert cache.take_snapshots() == []
-
-
-def _active_bytes_held(make) -> tuple[int, int]:
-    """Bytes still allocated after ``make()`` built something big and returned only a snapshot."""
-    gc.collect()
-    mx.clear_cache()
-    base = mx.get_active_memory()
-    snap = make()
-    gc.collect()
-    mx.clear_cache()
-    held = mx.get_active_memory() - base
-    nbytes = snap.nbytes
-    snap.close()
-    return held, nbytes
+    check_schedule_persists_across_chunked_writes(KV)
 
 
 @pytest.mark.parametrize("heads", [1, 4])  # 1 head: the range is one contiguous run of memory
@@ -172,7 +109,7 @@ def test_kv_copied_out_snapshot_does_not_keep_the_live_buffer_alive(heads):
         cache.free()
         return snap
 
-    held, nbytes = _active_bytes_held(make)
+    held, nbytes = active_bytes_held(make)
     assert nbytes == 2 * 16 * heads * 64 * 4
     assert held <= nbytes + 4096, (held, nbytes)  # not the 2 MB+ buffer
 
@@ -361,7 +298,7 @@ def test_rotating_copied_out_snapshot_does_not_keep_the_ring_alive():
         cache.free()
         return snap
 
-    held, nbytes = _active_bytes_held(make)
+    held, nbytes = active_bytes_held(make)
     assert nbytes == 2 * 63 * 64 * 4
     assert held <= nbytes + 4096, (held, nbytes)
 
@@ -446,7 +383,7 @@ def test_recurrent_conv_snapshot_does_not_keep_the_input_alive():
         cache.advance(8192, conv_states, delta)
         return cache.snapshot()
 
-    held, nbytes = _active_bytes_held(make)
+    held, nbytes = active_bytes_held(make)
     assert nbytes == 3 * 128 * 4 + 16
     assert held <= nbytes + 4096, (held, nbytes)
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import backend.models.glm4_moe_lite as glm
-from backend.api import DoneEvent, GenerateRequest, TokenEvent
+from backend.api import DoneEvent, GenerateRequest, collect_reply
 from backend.engine import Engine
 from backend.errors import ConfigError
 from backend.memory.budgets import MIB, CacheBudgets, CacheConfig
@@ -36,14 +36,8 @@ CASES = ("glm4_moe_lite", "glm4_moe_lite-4bit")
 
 
 def greedy(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], DoneEvent]:
-    ids, done = [], None
-    for event in engine.generate(GenerateRequest(prompt_ids=prompt, max_tokens=n,
-                                                 ignore_eos=True)):
-        if isinstance(event, DoneEvent):
-            done = event
-        elif isinstance(event, TokenEvent) and event.token_id >= 0:
-            ids.append(event.token_id)
-    return ids, done
+    return collect_reply(engine.generate(GenerateRequest(prompt_ids=prompt, max_tokens=n,
+                                                         ignore_eos=True)))
 
 
 def mlx_lm_greedy(folder, prompt: list[int], n: int) -> list[int]:

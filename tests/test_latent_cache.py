@@ -8,14 +8,17 @@ so a test reads exactly which positions a buffer or snapshot holds, in which ord
 
 from __future__ import annotations
 
-import gc
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from backend.caches.kv import KVCache, KVSnapshot
 from backend.caches.latent import LatentCache, LatentSnapshot
+from tests.fixtures.span_caches import (
+    SpanKind, active_bytes_held, check_broken_contracts_raise_with_the_values,
+    check_free_copies_out_every_lazy_snapshot,
+    check_lazy_snapshots_cost_nothing_until_a_write_overwrites_them,
+    check_merge_and_split_keep_contents_and_laziness, check_schedule_persists_across_chunked_writes)
 
 LATENT, ROPE = 6, 2
 ENTRY_BYTES = (LATENT + ROPE) * 4
@@ -58,34 +61,16 @@ def test_history_is_the_entries_and_their_latent_as_views():
     assert cache.nbytes == cache.keys.shape[2] * ENTRY_BYTES and cache.offset == 10
 
 
+LATENT_KIND = SpanKind(lambda: LatentCache(LATENT), write, positions_of,
+                       LatentSnapshot.entries, ENTRY_BYTES)
+
+
 def test_lazy_snapshots_cost_nothing_until_a_write_overwrites_them():
-    cache = LatentCache(LATENT)
-    write(cache, 0, 20)
-    cache.prepare_snapshots([25, 30])
-    write(cache, 20, 12)
-    first, second = cache.take_snapshots()
-    assert (first.start, first.end, second.start, second.end) == (20, 25, 25, 30)
-    assert first.is_lazy and second.is_lazy and first.nbytes == second.nbytes == 0
-    assert cache.restore(None, 26)  # rejecting a draft: an offset move, nothing copied
-    assert second.is_lazy and second.nbytes == 0
-    write(cache, 26, 3)  # overwrites positions 26..28 that `second` still needs
-    assert not second.is_lazy and second.nbytes == 5 * ENTRY_BYTES
-    assert positions_of(second.entries()) == list(range(25, 30))  # the old contents
-    assert first.is_lazy  # ends at 25 <= 26: untouched
-    assert positions_of(cache.keys[..., :29, :]) == list(range(29))
+    check_lazy_snapshots_cost_nothing_until_a_write_overwrites_them(LATENT_KIND)
 
 
 def test_free_copies_out_every_lazy_snapshot():
-    cache = LatentCache(LATENT)
-    write(cache, 0, 10)
-    snap = cache.snapshot(2, 8)
-    assert snap.is_lazy
-    cache.free()
-    assert not snap.is_lazy and positions_of(snap.entries()) == list(range(2, 8))
-    assert cache.nbytes == 0 and cache.offset == 0
-    snap.close()
-    with pytest.raises(ValueError, match="closed"):
-        snap.entries()
+    check_free_copies_out_every_lazy_snapshot(LATENT_KIND)
 
 
 def test_restore_regimes():
@@ -110,55 +95,16 @@ def test_restore_regimes():
 
 
 def test_merge_and_split_keep_contents_and_laziness():
-    cache = LatentCache(LATENT)
-    write(cache, 0, 20)
-    merged = cache.merge(cache.snapshot(0, 8), cache.snapshot(8, 20))
-    assert merged.is_lazy and (merged.start, merged.end) == (0, 20)
-    left, right = cache.split(merged, 5)
-    assert left.is_lazy and right.is_lazy
-    assert positions_of(right.entries()) == list(range(5, 20))
-    cache.free()  # everything copies out
-    a, b = cache.split(right, 9)
-    assert (a.start, a.end, b.start, b.end) == (5, 9, 9, 20)
-    assert a.nbytes + b.nbytes == 15 * ENTRY_BYTES
-    assert positions_of(a.entries()) == [5, 6, 7, 8]
-    whole = cache.merge(left, a)
-    assert positions_of(whole.entries()) == list(range(9)) and not whole.is_lazy
+    check_merge_and_split_keep_contents_and_laziness(LATENT_KIND)
 
 
 def test_schedule_persists_across_chunked_writes():
-    cache = LatentCache(LATENT)
-    cache.prepare_snapshots([0, 5, 12, 20])
-    for start, n in ((0, 7), (7, 9), (16, 4)):
-        write(cache, start, n)
-    snaps = cache.take_snapshots()
-    assert [(s.start, s.end) for s in snaps] == [(0, 0), (0, 5), (5, 12), (12, 20)]
-    assert positions_of(snaps[2].entries()) == list(range(5, 12))
-    assert cache.take_snapshots() == []
-    cache.prepare_snapshots([30])
-    cache.cancel_snapshots()
-    write(cache, 20, 15)
-    assert cache.take_snapshots() == []
+    check_schedule_persists_across_chunked_writes(LATENT_KIND)
 
 
 def test_broken_contracts_raise_with_the_values():
-    cache = LatentCache(LATENT)
-    write(cache, 0, 10)
-    with pytest.raises(ValueError, match="increasing"):
-        cache.prepare_snapshots([5])
-    with pytest.raises(ValueError, match="negative"):
-        cache.restore(None, -1)
-    with pytest.raises(ValueError, match="forward"):
-        cache.restore(None, 11)
-    with pytest.raises(TypeError, match="KVSnapshot"):
-        cache.restore(KVSnapshot(None, 0, 1, mx.zeros((1, 1, 1, 2)), mx.zeros((1, 1, 1, 2))), 1)
-    snap = cache.snapshot(2, 6)
-    with pytest.raises(ValueError, match="outside snapshot range"):
-        cache.restore(snap, 7)
-    with pytest.raises(ValueError, match="split point 6"):
-        cache.split(snap, 6)
-    with pytest.raises(ValueError, match="not adjacent"):
-        cache.merge(snap, cache.snapshot(7, 9))
+    kv_snapshot = KVSnapshot(None, 0, 1, mx.zeros((1, 1, 1, 2)), mx.zeros((1, 1, 1, 2)))
+    cache = check_broken_contracts_raise_with_the_values(LATENT_KIND, kv_snapshot)
     with pytest.raises(ValueError, match="6-dim latent"):
         cache.update(*coded(10, 1, latent=5))
     with pytest.raises(TypeError, match="LatentSnapshot"):
@@ -194,13 +140,6 @@ def test_copied_out_snapshot_does_not_keep_the_live_buffer_alive():
         cache.free()
         return snap
 
-    gc.collect()
-    mx.clear_cache()
-    base = mx.get_active_memory()
-    snap = make()
-    gc.collect()
-    mx.clear_cache()
-    held = mx.get_active_memory() - base
-    assert snap.nbytes == 16 * 576 * 4
-    assert held <= snap.nbytes + 4096, (held, snap.nbytes)  # not the 9 MB buffer
-    snap.close()
+    held, nbytes = active_bytes_held(make)
+    assert nbytes == 16 * 576 * 4
+    assert held <= nbytes + 4096, (held, nbytes)  # not the 9 MB buffer

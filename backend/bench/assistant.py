@@ -172,7 +172,7 @@ def same_tokens(target_folder: Path, assistant_folder: Path, tokenizer_folder: P
     """The random pair's greedy reply through the engine, speculative against plain: (equal,
     drafted, accepted). The tokenizer only detokenizes (``tokenizer_folder``'s, ids below the
     random vocabulary)."""
-    from backend.api import DoneEvent, GenerateRequest, TokenEvent
+    from backend.api import DoneEvent, GenerateRequest, collect_reply
     from backend.engine import Engine
     from backend.memory.budgets import CacheConfig
     from backend.tokenizer import Tokenizer
@@ -184,14 +184,8 @@ def same_tokens(target_folder: Path, assistant_folder: Path, tokenizer_folder: P
     prompt = [int(x) for x in np.random.default_rng(1).integers(3, vocab, 24)]
 
     def reply(engine: Engine) -> tuple[list[int], DoneEvent]:
-        ids, done = [], None
-        for event in engine.generate(GenerateRequest(prompt_ids=prompt, max_tokens=new_tokens,
-                                                     ignore_eos=True)):
-            if isinstance(event, DoneEvent):
-                done = event
-            elif isinstance(event, TokenEvent) and event.token_id >= 0:
-                ids.append(event.token_id)
-        return ids, done
+        return collect_reply(engine.generate(GenerateRequest(
+            prompt_ids=prompt, max_tokens=new_tokens, ignore_eos=True)))
 
     memory = CacheConfig.memory_only()
     plain, _ = reply(Engine(target, tokenizer, "target", memory, speculation="none"))

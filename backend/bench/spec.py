@@ -30,7 +30,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from backend.api import DoneEvent, GenerateRequest, TokenEvent
+from backend.api import DoneEvent, GenerateRequest, TokenEvent, collect_reply
 from backend.engine import Engine
 from backend.memory.budgets import CacheConfig
 from backend.tokenizer import Tokenizer
@@ -73,12 +73,7 @@ def _arbor_run(engine: Engine, prompt: str, new_tokens: int, draft: str):
     request = GenerateRequest(messages=[{"role": "user", "content": prompt}],
                               max_tokens=new_tokens, ignore_eos=True, draft=draft)
     engine.clear_cache()  # every run prefills alike; only decoding differs
-    ids, done = [], None
-    for event in engine.generate(request):
-        if isinstance(event, DoneEvent):
-            done = event
-        elif isinstance(event, TokenEvent) and event.token_id >= 0:
-            ids.append(event.token_id)
+    ids, done = collect_reply(engine.generate(request))
     return ids, done.decode_tps, done
 
 

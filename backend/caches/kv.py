@@ -25,6 +25,18 @@ from backend.memory.records import SnapshotRecord
 STEP = 256
 
 
+def grown(buffer: mx.array | None, like: mx.array, needed: int) -> mx.array | None:
+    """``buffer`` (``(B, H, slots, D)``, or None) with room for ``needed`` slots: grown by zeros
+    shaped like ``like`` in ``STEP``-token blocks, or itself when it has the room already."""
+    capacity = 0 if buffer is None else buffer.shape[2]
+    if needed <= capacity:
+        return buffer
+    blocks = (needed - capacity + STEP - 1) // STEP
+    b, h, _, d = like.shape
+    grow = mx.zeros((b, h, blocks * STEP, d), like.dtype)
+    return grow if buffer is None else mx.concatenate([buffer, grow], axis=2)
+
+
 class ContiguousHistory:
     """KV history: slot i holds logical position ``key_start + i``."""
 
@@ -157,26 +169,20 @@ class LazyKVStorage:
         raise NotImplementedError
 
 
-class KVCache(LazyKVStorage):
-    """Full-attention cache; see the module docstring and ``caches.base`` for the contract."""
+class SpanKVStorage(LazyKVStorage):
+    """Lazy storage in logical order (slot i holds position i) whose snapshots are spans
+    ``[start, end)`` of it: what the full-attention and latent caches share (rewind, snapshot,
+    restore, merge, split, free). A subclass names its ``_snapshot_type`` and provides
+    ``_replay(snapshot, n)`` (write the snapshot's first ``n`` positions at the offset) and
+    ``_joined`` / ``_cut`` (merge, split snapshots that own their arrays)."""
 
     can_rewind = True
     snapshot_kind = "span"
-
-    def _view(self, start: int, end: int) -> tuple[mx.array, mx.array]:
-        return self.keys[..., start:end, :], self.values[..., start:end, :]
+    _snapshot_type: type  # what restore takes
+    _cache_name: str  # in restore's error
 
     def can_rewind_to(self, target: int) -> bool:
         return 0 <= target <= self._offset
-
-    def reserve(self, tokens: int) -> None:
-        if self.keys is not None:
-            self._reserve(self.keys[..., :0, :], self.values[..., :0, :], tokens)
-
-    def _owned_snapshot(self, start, end, lo, keys, values) -> KVSnapshot:
-        if lo != start or keys.shape[2] != end - start:
-            raise ValueError(f"a full-attention record must hold exactly [{start}, {end})")
-        return KVSnapshot(None, start, end, keys, values)
 
     def _protect_from(self, position: int) -> None:
         """Copy out every lazy snapshot that a write starting at ``position`` would overwrite."""
@@ -188,21 +194,98 @@ class KVCache(LazyKVStorage):
                 keep.append(snap)
         self._lazy = keep
 
+    def snapshot(self, start: int, end: int | None = None):
+        """A lazy snapshot of ``[start, end)`` of the live state (``end`` defaults to offset)."""
+        end = self._offset if end is None else end
+        if not 0 <= start <= end <= self._offset:
+            raise ValueError(f"snapshot range [{start}, {end}) outside [0, {self._offset})")
+        return self._lazy_snapshot(start, end)
+
+    def restore(self, snapshot, target: int) -> bool:
+        if target < 0:
+            raise ValueError(f"restore target {target} is negative")
+        if snapshot is None:
+            if target > self._offset:
+                raise ValueError(f"cannot rewind forward: target {target} > offset {self._offset}")
+            self._offset = target
+            return True
+        if type(snapshot) is not self._snapshot_type:  # not a sliding window's (a subclass)
+            raise TypeError(f"{self._cache_name} cannot restore a {type(snapshot).__name__}")
+        if not snapshot.start <= target <= snapshot.end:
+            raise ValueError(
+                f"target {target} outside snapshot range [{snapshot.start}, {snapshot.end}]")
+        if snapshot.start > self._offset:
+            return False  # the prefix before the snapshot is not in the live cache
+        if snapshot._owner is self:
+            # Still lazy here: the live buffer holds exactly these positions; move the offset.
+            self._offset = target
+            return True
+        self._offset = snapshot.start
+        if target > snapshot.start:
+            self._replay(snapshot, target - snapshot.start)
+        return True
+
+    def merge(self, first, second):
+        if first.end != second.start:
+            raise ValueError(f"snapshots [{first.start}, {first.end}) and "
+                             f"[{second.start}, {second.end}) are not adjacent")
+        if first._owner is not None and first._owner is second._owner:
+            merged = first._owner._lazy_snapshot(first.start, second.end)
+        else:
+            merged = self._joined(first, second)
+        first.close()
+        second.close()
+        return merged
+
+    def split(self, snapshot, at: int) -> tuple:
+        if not snapshot.start < at < snapshot.end:
+            raise ValueError(f"split point {at} not inside [{snapshot.start}, {snapshot.end})")
+        if snapshot._owner is not None:
+            owner = snapshot._owner
+            parts = owner._lazy_snapshot(snapshot.start, at), owner._lazy_snapshot(at, snapshot.end)
+        else:
+            parts = self._cut(snapshot, at)
+        snapshot.close()
+        return parts
+
+    def free(self) -> None:
+        """Release the live buffer, first copying out every lazy snapshot that still needs it."""
+        self._protect_from(0)
+        self.keys = self.values = None
+        self._offset = 0
+
+    def _replay(self, snapshot, n: int) -> None:
+        raise NotImplementedError
+
+    def _joined(self, first, second):
+        raise NotImplementedError
+
+    def _cut(self, snapshot, at: int) -> tuple:
+        raise NotImplementedError
+
+
+class KVCache(SpanKVStorage):
+    """Full-attention cache; see the module docstring and ``caches.base`` for the contract."""
+
+    _snapshot_type = KVSnapshot
+    _cache_name = "KVCache"
+
+    def _view(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        return self.keys[..., start:end, :], self.values[..., start:end, :]
+
+    def reserve(self, tokens: int) -> None:
+        if self.keys is not None:
+            self._reserve(self.keys[..., :0, :], self.values[..., :0, :], tokens)
+
+    def _owned_snapshot(self, start, end, lo, keys, values) -> KVSnapshot:
+        if lo != start or keys.shape[2] != end - start:
+            raise ValueError(f"a full-attention record must hold exactly [{start}, {end})")
+        return KVSnapshot(None, start, end, keys, values)
+
     # -- writing -------------------------------------------------------------------------------
     def _reserve(self, keys: mx.array, values: mx.array, needed: int) -> None:
-        capacity = 0 if self.keys is None else self.keys.shape[2]
-        if needed <= capacity:
-            return
-        blocks = (needed - capacity + STEP - 1) // STEP
-        b, h, _, dk = keys.shape
-        dv = values.shape[3]
-        grow_k = mx.zeros((b, h, blocks * STEP, dk), keys.dtype)
-        grow_v = mx.zeros((b, h, blocks * STEP, dv), values.dtype)
-        if self.keys is None:
-            self.keys, self.values = grow_k, grow_v
-        else:
-            self.keys = mx.concatenate([self.keys, grow_k], axis=2)
-            self.values = mx.concatenate([self.values, grow_v], axis=2)
+        self.keys = grown(self.keys, keys, needed)
+        self.values = grown(self.values, values, needed)
 
     def update(self, keys: mx.array, values: mx.array) -> ContiguousHistory:
         """Append ``keys``/``values`` ``(B, H, N, D)`` at the current offset."""
@@ -241,75 +324,23 @@ class KVCache(LazyKVStorage):
     def _new_snapshot(self, start: int, end: int) -> KVSnapshot:
         return KVSnapshot(self, start, end)
 
-    def snapshot(self, start: int, end: int | None = None) -> KVSnapshot:
-        """A lazy snapshot of ``[start, end)`` of the live state (``end`` defaults to offset)."""
-        end = self._offset if end is None else end
-        if not 0 <= start <= end <= self._offset:
-            raise ValueError(f"snapshot range [{start}, {end}) outside [0, {self._offset})")
-        return self._lazy_snapshot(start, end)
+    def _replay(self, snapshot: KVSnapshot, n: int) -> None:
+        keys, values = snapshot.arrays()
+        self.update(keys[..., :n, :], values[..., :n, :])
 
-    def restore(self, snapshot: KVSnapshot | None, target: int) -> bool:
-        if target < 0:
-            raise ValueError(f"restore target {target} is negative")
-        if snapshot is None:
-            if target > self._offset:
-                raise ValueError(f"cannot rewind forward: target {target} > offset {self._offset}")
-            self._offset = target
-            return True
-        if type(snapshot) is not KVSnapshot:  # not a sliding window's (a subclass)
-            raise TypeError(f"KVCache cannot restore a {type(snapshot).__name__}")
-        if not snapshot.start < target <= snapshot.end and target != snapshot.start:
-            raise ValueError(
-                f"target {target} outside snapshot range [{snapshot.start}, {snapshot.end}]")
-        if snapshot.start > self._offset:
-            return False  # the prefix before the snapshot is not in the live cache
-        if snapshot._owner is self:
-            # Still lazy here: the live buffer holds exactly these positions; move the offset.
-            self._offset = target
-            return True
-        self._offset = snapshot.start
-        if target > snapshot.start:
-            keys, values = snapshot.arrays()
-            n = target - snapshot.start
-            self.update(keys[..., :n, :], values[..., :n, :])
-        return True
+    def _joined(self, first: KVSnapshot, second: KVSnapshot) -> KVSnapshot:
+        k1, v1 = first.arrays()
+        k2, v2 = second.arrays()
+        keys = mx.concatenate([k1, k2], axis=2)
+        values = mx.concatenate([v1, v2], axis=2)
+        mx.eval(keys, values)
+        return KVSnapshot(None, first.start, second.end, keys, values)
 
-    def merge(self, first: KVSnapshot, second: KVSnapshot) -> KVSnapshot:
-        if first.end != second.start:
-            raise ValueError(f"snapshots [{first.start}, {first.end}) and "
-                             f"[{second.start}, {second.end}) are not adjacent")
-        if first._owner is not None and first._owner is second._owner:
-            merged = first._owner._lazy_snapshot(first.start, second.end)
-        else:
-            k1, v1 = first.arrays()
-            k2, v2 = second.arrays()
-            keys = mx.concatenate([k1, k2], axis=2)
-            values = mx.concatenate([v1, v2], axis=2)
-            mx.eval(keys, values)
-            merged = KVSnapshot(None, first.start, second.end, keys, values)
-        first.close()
-        second.close()
-        return merged
-
-    def split(self, snapshot: KVSnapshot, at: int) -> tuple[KVSnapshot, KVSnapshot]:
-        if not snapshot.start < at < snapshot.end:
-            raise ValueError(f"split point {at} not inside [{snapshot.start}, {snapshot.end})")
-        if snapshot._owner is not None:
-            owner = snapshot._owner
-            parts = owner._lazy_snapshot(snapshot.start, at), owner._lazy_snapshot(at, snapshot.end)
-        else:
-            keys, values = snapshot.arrays()
-            cut = at - snapshot.start
-            k1, v1 = mx.contiguous(keys[..., :cut, :]), mx.contiguous(values[..., :cut, :])
-            k2, v2 = mx.contiguous(keys[..., cut:, :]), mx.contiguous(values[..., cut:, :])
-            mx.eval(k1, v1, k2, v2)
-            parts = (KVSnapshot(None, snapshot.start, at, k1, v1),
-                     KVSnapshot(None, at, snapshot.end, k2, v2))
-        snapshot.close()
-        return parts
-
-    def free(self) -> None:
-        """Release the live buffer, first copying out every lazy snapshot that still needs it."""
-        self._protect_from(0)
-        self.keys = self.values = None
-        self._offset = 0
+    def _cut(self, snapshot: KVSnapshot, at: int) -> tuple[KVSnapshot, KVSnapshot]:
+        keys, values = snapshot.arrays()
+        cut = at - snapshot.start
+        k1, v1 = mx.contiguous(keys[..., :cut, :]), mx.contiguous(values[..., :cut, :])
+        k2, v2 = mx.contiguous(keys[..., cut:, :]), mx.contiguous(values[..., cut:, :])
+        mx.eval(k1, v1, k2, v2)
+        return (KVSnapshot(None, snapshot.start, at, k1, v1),
+                KVSnapshot(None, at, snapshot.end, k2, v2))

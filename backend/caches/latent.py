@@ -19,8 +19,8 @@ attention kernel and MLX's attention both take as grouped-query attention.
 Snapshots follow ``KVCache`` (``caches/kv.py``): a ``LatentSnapshot`` of ``[start, end)`` is an
 index range of the live buffer (zero bytes) until the cache is about to overwrite or free those
 slots, when it is copied out into a compact array of exactly its range. The bookkeeping they
-share (lazy snapshot list, schedule, offset) is ``LazyKVStorage``'s; the buffer is this module's
-own, since an MLA entry is one array, not a key and a value.
+share (lazy snapshot list, schedule, offset, restore, merge, split) is ``SpanKVStorage``'s; the
+buffer is this module's own, since an MLA entry is one array, not a key and a value.
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from backend.caches.export import make_record, read_record
-from backend.caches.kv import ContiguousHistory, LazyKVStorage
+from backend.caches.kv import ContiguousHistory, SpanKVStorage, grown
 from backend.memory.records import SnapshotRecord
-
-STEP = 256
 
 
 class LatentSnapshot:
@@ -74,16 +72,16 @@ class LatentSnapshot:
         self._entries = None
 
 
-class LatentCache(LazyKVStorage):
+class LatentCache(SpanKVStorage):
     """An MLA layer's cache; see the module docstring and ``caches.base`` for the contract.
 
     ``latent_dims``: the latent's width (``kv_lora_rank``); the rest of an entry is the rotary
     key. ``self.keys`` is the entry buffer; ``self.values`` stays None (values are its latent
     part, a view)."""
 
-    can_rewind = True
-    snapshot_kind = "span"
     _record_kind = "latent"
+    _snapshot_type = LatentSnapshot
+    _cache_name = "LatentCache"
 
     def __init__(self, latent_dims: int) -> None:
         if latent_dims < 1:
@@ -100,9 +98,6 @@ class LatentCache(LazyKVStorage):
 
     def _view(self, start: int, end: int) -> mx.array:
         return self.keys[..., start:end, :]
-
-    def can_rewind_to(self, target: int) -> bool:
-        return 0 <= target <= self._offset
 
     # -- writing -------------------------------------------------------------------------------
     def update(self, latent: mx.array, rope_keys: mx.array) -> ContiguousHistory:
@@ -126,92 +121,31 @@ class LatentCache(LazyKVStorage):
         self._capture_due(start, self._offset)
 
     def _reserve(self, like: mx.array, needed: int) -> None:
-        capacity = 0 if self.keys is None else self.keys.shape[2]
-        if needed <= capacity:
-            return
-        blocks = (needed - capacity + STEP - 1) // STEP
-        b, h, _, d = like.shape
-        grow = mx.zeros((b, h, blocks * STEP, d), like.dtype)
-        self.keys = grow if self.keys is None else mx.concatenate([self.keys, grow], axis=2)
+        self.keys = grown(self.keys, like, needed)
 
     def reserve(self, tokens: int) -> None:
         if self.keys is not None:
             self._reserve(self.keys[..., :0, :], tokens)
 
-    def _protect_from(self, position: int) -> None:
-        """Copy out every lazy snapshot that a write starting at ``position`` would overwrite."""
-        keep = []
-        for snap in self._lazy:
-            if snap.end > position:
-                snap._copy_out()
-            else:
-                keep.append(snap)
-        self._lazy = keep
-
     # -- snapshots -----------------------------------------------------------------------------
     def _new_snapshot(self, start: int, end: int) -> LatentSnapshot:
         return LatentSnapshot(self, start, end)
 
-    def snapshot(self, start: int, end: int | None = None) -> LatentSnapshot:
-        """A lazy snapshot of ``[start, end)`` of the live state (``end`` defaults to offset)."""
-        end = self._offset if end is None else end
-        if not 0 <= start <= end <= self._offset:
-            raise ValueError(f"snapshot range [{start}, {end}) outside [0, {self._offset})")
-        return self._lazy_snapshot(start, end)
+    def _replay(self, snapshot: LatentSnapshot, n: int) -> None:
+        self._append(snapshot.entries()[..., :n, :])
 
-    def restore(self, snapshot: LatentSnapshot | None, target: int) -> bool:
-        if target < 0:
-            raise ValueError(f"restore target {target} is negative")
-        if snapshot is None:
-            if target > self._offset:
-                raise ValueError(f"cannot rewind forward: target {target} > offset {self._offset}")
-            self._offset = target
-            return True
-        if type(snapshot) is not LatentSnapshot:
-            raise TypeError(f"LatentCache cannot restore a {type(snapshot).__name__}")
-        if not snapshot.start <= target <= snapshot.end:
-            raise ValueError(
-                f"target {target} outside snapshot range [{snapshot.start}, {snapshot.end}]")
-        if snapshot.start > self._offset:
-            return False  # the prefix before the snapshot is not in the live cache
-        if snapshot._owner is self:
-            # Still lazy here: the live buffer holds exactly these positions; move the offset.
-            self._offset = target
-            return True
-        self._offset = snapshot.start
-        if target > snapshot.start:
-            self._append(snapshot.entries()[..., : target - snapshot.start, :])
-        return True
+    def _joined(self, first: LatentSnapshot, second: LatentSnapshot) -> LatentSnapshot:
+        entries = mx.concatenate([first.entries(), second.entries()], axis=2)
+        mx.eval(entries)
+        return LatentSnapshot(None, first.start, second.end, entries)
 
-    def merge(self, first: LatentSnapshot, second: LatentSnapshot) -> LatentSnapshot:
-        if first.end != second.start:
-            raise ValueError(f"snapshots [{first.start}, {first.end}) and "
-                             f"[{second.start}, {second.end}) are not adjacent")
-        if first._owner is not None and first._owner is second._owner:
-            merged = first._owner._lazy_snapshot(first.start, second.end)
-        else:
-            entries = mx.concatenate([first.entries(), second.entries()], axis=2)
-            mx.eval(entries)
-            merged = LatentSnapshot(None, first.start, second.end, entries)
-        first.close()
-        second.close()
-        return merged
-
-    def split(self, snapshot: LatentSnapshot, at: int) -> tuple[LatentSnapshot, LatentSnapshot]:
-        if not snapshot.start < at < snapshot.end:
-            raise ValueError(f"split point {at} not inside [{snapshot.start}, {snapshot.end})")
-        if snapshot._owner is not None:
-            owner = snapshot._owner
-            parts = owner._lazy_snapshot(snapshot.start, at), owner._lazy_snapshot(at, snapshot.end)
-        else:
-            entries, cut = snapshot.entries(), at - snapshot.start
-            head = mx.contiguous(entries[..., :cut, :])
-            tail = mx.contiguous(entries[..., cut:, :])
-            mx.eval(head, tail)
-            parts = (LatentSnapshot(None, snapshot.start, at, head),
-                     LatentSnapshot(None, at, snapshot.end, tail))
-        snapshot.close()
-        return parts
+    def _cut(self, snapshot: LatentSnapshot, at: int) -> tuple[LatentSnapshot, LatentSnapshot]:
+        entries, cut = snapshot.entries(), at - snapshot.start
+        head = mx.contiguous(entries[..., :cut, :])
+        tail = mx.contiguous(entries[..., cut:, :])
+        mx.eval(head, tail)
+        return (LatentSnapshot(None, snapshot.start, at, head),
+                LatentSnapshot(None, at, snapshot.end, tail))
 
     # -- records (host / disk tiers) -------------------------------------------------------------
     def export_snapshot(self, snapshot: LatentSnapshot) -> SnapshotRecord:
@@ -228,9 +162,3 @@ class LatentCache(LazyKVStorage):
                              f"(latent {meta.get('latent_dims')}) does not fit a cache with a "
                              f"{self.latent_dims}-dim latent")
         return LatentSnapshot(None, start, end, entries)
-
-    def free(self) -> None:
-        """Release the live buffer, first copying out every lazy snapshot that still needs it."""
-        self._protect_from(0)
-        self.keys = None
-        self._offset = 0

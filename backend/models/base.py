@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import MISSING, Field, fields
+from dataclasses import MISSING, Field, dataclass, fields
 from types import MappingProxyType, NoneType, UnionType
 from typing import (TYPE_CHECKING, Any, Protocol, TypeVar, Union, get_args, get_origin,
                     get_type_hints, runtime_checkable)
@@ -43,6 +43,19 @@ class ModelConfig(Protocol):
     def from_config(cls, config: dict[str, Any]) -> ModelConfig:
         """Checked arguments from a parsed ``config.json``; ``ConfigError`` naming the key."""
         ...
+
+
+@dataclass
+class DecoderArgs:
+    """The required arguments most families name alike, first and in this order; a family's
+    ``ModelArgs`` dataclass extends it with its own."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
 
 
 @runtime_checkable

@@ -27,7 +27,8 @@ from backend.caches.base import CAUSAL, Cache, sliding_window
 from backend.caches.kv import KVCache
 from backend.caches.rotating import RotatingKVCache
 from backend.errors import ConfigError
-from backend.models.base import args_from_config, complete_attention_heads, config_mapping, one_of
+from backend.models.base import (DecoderArgs, args_from_config, complete_attention_heads,
+                                 config_mapping, one_of)
 from backend.models.decoder import Backbone, DecoderModel
 from backend.models.layers import ACTIVATIONS, Attention, AttentionShape, GatedMLP, RMSNorm
 from backend.models.rope import RoPE, RopeSettings, rope_settings
@@ -38,13 +39,7 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclass
-class ModelArgs:
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    vocab_size: int
+class ModelArgs(DecoderArgs):
     head_dim: int | None = 256
     num_key_value_heads: int | None = 1
     rms_norm_eps: float = 1e-6

@@ -51,7 +51,7 @@ from backend.caches.kv import KVCache
 from backend.caches.rotating import RotatingKVCache
 from backend.caches.segments import Segments, split_rows
 from backend.errors import ConfigError
-from backend.models.base import ZERO_ALLOWED, args_from_config, config_mapping, one_of
+from backend.models.base import ZERO_ALLOWED, DecoderArgs, args_from_config, config_mapping, one_of
 from backend.models.decoder import Backbone, DecoderModel, multimodal_text_name
 from backend.models.gemma3 import (FULL, SLIDING, check_layer_types, rope_by_attention_type,
                                    soft_cap)
@@ -77,13 +77,7 @@ _SHARED_LAYER_UNUSED = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_n
 
 
 @dataclass
-class ModelArgs:
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    vocab_size: int
+class ModelArgs(DecoderArgs):
     head_dim: int = 256
     global_head_dim: int = 512
     num_key_value_heads: int = 4

@@ -64,7 +64,7 @@ from backend.models.base import ZERO_ALLOWED, args_from_config, config_mapping, 
 from backend.models.decoder import Backbone, DecoderModel, PreNormDecoderLayer
 from backend.models.layers import ACTIVATIONS, GatedMLP, RMSNorm
 from backend.models.moe import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, check_routing, \
-    stack_experts
+    layer_mlp, stack_experts
 from backend.models.rope import RoPE, RopeSettings, rope_settings
 
 MODEL_TYPES = ("glm4_moe_lite",)
@@ -344,11 +344,7 @@ class DecoderLayer(PreNormDecoderLayer):
     def __init__(self, args: ModelArgs, index: int):
         super().__init__()
         self.self_attn = LatentAttention(args)
-        if args.is_sparse(index):
-            self.mlp = LatentMoE(args)
-        else:
-            self.mlp = GatedMLP(args.hidden_size, args.intermediate_size,
-                                activation=args.hidden_act)
+        self.mlp = layer_mlp(args, index, lambda: LatentMoE(args))
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from backend.caches.base import CAUSAL, Cache, sliding_window
 from backend.caches.kv import KVCache
-from backend.models.base import args_from_config, complete_attention_heads, one_of
+from backend.models.base import DecoderArgs, args_from_config, complete_attention_heads, one_of
 from backend.models.decoder import Backbone, DecoderModel, PreNormDecoderLayer
 from backend.models.layers import ACTIVATIONS, Attention, AttentionShape, GatedMLP, RMSNorm
 from backend.models.rope import RoPE, RopeSettings, rope_settings
@@ -20,13 +20,7 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
-class ModelArgs:
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    vocab_size: int
+class ModelArgs(DecoderArgs):
     rms_norm_eps: float = 1e-6
     num_key_value_heads: int | None = None
     head_dim: int | None = None

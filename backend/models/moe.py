@@ -24,6 +24,7 @@ linear layer whenever ``<path>.scales`` is in the checkpoint.
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -266,3 +267,11 @@ def is_sparse_layer(layer: int, mlp_only_layers: list[int], num_experts: int,
     """Whether decoder layer ``layer`` uses the sparse MoE block (Qwen MoE config rules)."""
     return (layer not in mlp_only_layers and num_experts > 0
             and (layer + 1) % sparse_step == 0)
+
+
+def layer_mlp(args: Any, layer: int, sparse: Callable[[], nn.Module]) -> nn.Module:
+    """Decoder layer ``layer``'s MLP: ``sparse()`` where ``args.is_sparse(layer)``, else the
+    dense gated MLP of ``intermediate_size``."""
+    if args.is_sparse(layer):
+        return sparse()
+    return GatedMLP(args.hidden_size, args.intermediate_size, activation=args.hidden_act)

@@ -15,23 +15,18 @@ import mlx.core as mx
 from backend.caches.base import Cache
 from backend.caches.kv import KVCache
 from backend.errors import ConfigError
-from backend.models.base import args_from_config, complete_attention_heads, one_of
+from backend.models.base import DecoderArgs, args_from_config, complete_attention_heads, one_of
 from backend.models.decoder import Backbone, DecoderModel, PreNormDecoderLayer
-from backend.models.layers import ACTIVATIONS, Attention, AttentionShape, GatedMLP, RMSNorm
-from backend.models.moe import SparseMoE, check_routing, is_sparse_layer, stack_experts
+from backend.models.layers import ACTIVATIONS, Attention, AttentionShape, RMSNorm
+from backend.models.moe import SparseMoE, check_routing, is_sparse_layer, layer_mlp, \
+    stack_experts
 from backend.models.rope import RoPE, RopeSettings, rope_settings
 
 MODEL_TYPES = ("qwen3_moe",)
 
 
 @dataclass
-class ModelArgs:
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    intermediate_size: int
-    num_attention_heads: int
-    vocab_size: int
+class ModelArgs(DecoderArgs):
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
@@ -68,13 +63,9 @@ class DecoderLayer(PreNormDecoderLayer):
         super().__init__()
         shape = AttentionShape.from_args(args, qk_norm_eps=args.rms_norm_eps)
         self.self_attn = Attention(shape, RoPE(args.head_dim, args.rope))
-        if args.is_sparse(index):
-            self.mlp = SparseMoE(args.hidden_size, args.moe_intermediate_size, args.num_experts,
-                                 args.num_experts_per_tok, args.norm_topk_prob,
-                                 activation=args.hidden_act)
-        else:
-            self.mlp = GatedMLP(args.hidden_size, args.intermediate_size,
-                                activation=args.hidden_act)
+        self.mlp = layer_mlp(args, index, lambda: SparseMoE(
+            args.hidden_size, args.moe_intermediate_size, args.num_experts,
+            args.num_experts_per_tok, args.norm_topk_prob, activation=args.hidden_act))
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 

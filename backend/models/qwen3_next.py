@@ -47,8 +47,9 @@ from backend.models.base import (
 )
 from backend.models.decoder import Backbone, DecoderModel
 from backend.models.gated_delta import GatedDeltaMixer
-from backend.models.layers import ACTIVATIONS, Attention, AttentionShape, GatedMLP, RMSNorm
-from backend.models.moe import SparseMoE, check_routing, is_sparse_layer, stack_experts
+from backend.models.layers import ACTIVATIONS, Attention, AttentionShape, RMSNorm
+from backend.models.moe import SparseMoE, check_routing, is_sparse_layer, layer_mlp, \
+    stack_experts
 from backend.models.rope import RoPE, RopeSettings, rope_settings
 
 MODEL_TYPES = ("qwen3_next",)
@@ -170,13 +171,10 @@ class DecoderLayer(nn.Module):
                 args, qk_norm_eps=args.rms_norm_eps, qk_norm_offset=1.0, output_gate=True)
             rotary = int(args.head_dim * args.partial_rotary_factor)
             self.self_attn = Attention(shape, RoPE(rotary, args.rope))
-        if args.is_sparse(index):
-            self.mlp = SparseMoE(args.hidden_size, args.moe_intermediate_size, args.num_experts,
-                                 args.num_experts_per_tok, args.norm_topk_prob,
-                                 args.shared_expert_intermediate_size or None, args.hidden_act)
-        else:
-            self.mlp = GatedMLP(args.hidden_size, args.intermediate_size,
-                                activation=args.hidden_act)
+        self.mlp = layer_mlp(args, index, lambda: SparseMoE(
+            args.hidden_size, args.moe_intermediate_size, args.num_experts,
+            args.num_experts_per_tok, args.norm_topk_prob,
+            args.shared_expert_intermediate_size or None, args.hidden_act))
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=1.0)
 
