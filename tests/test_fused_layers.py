@@ -88,6 +88,43 @@ def test_decode_takes_the_fused_path_and_prefill_does_not(case, tiny_model_dir, 
     assert len(calls) == len(model.model.layers)
 
 
+@pytest.mark.parametrize("case,quantize", [("llama", None), ("mistral-window", None),
+                                           ("llama", 4), ("llama-tied", "4-int8")])
+def test_a_batched_step_takes_the_fused_path_and_equals_each_sequence_alone(
+        case, quantize, tiny_model_dir, tmp_path, native_kernels, monkeypatch):
+    from backend.caches.segments import layer_segments
+
+    model = _model(tiny_model_dir, tmp_path, case, quantize)
+    calls = []
+    real = native_kernels.attention_mlp_segments
+    monkeypatch.setattr(native_kernels, "attention_mlp_segments",
+                        lambda *a: calls.append(len(a[4])) or real(*a))
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(3, model.args.vocab_size, size=n)]
+               for n in (17, 6, 29)]  # the window of 8 wraps
+    blocks = [[int(t) for t in rng.integers(3, model.args.vocab_size, size=n)]
+              for n in (1, 4, 2)]  # a decode row and verify blocks side by side
+
+    def prefilled(prompt):
+        caches = model.make_caches()
+        mx.eval(model.hidden(mx.array([prompt]), caches))
+        return caches
+
+    alone = []
+    for prompt, block in zip(prompts, blocks):
+        caches = prefilled(prompt)
+        alone.append(np.array(model(mx.array([block]), caches)[0]))
+    together = [prefilled(p) for p in prompts]
+    calls.clear()
+    step = layer_segments(together, [len(b) for b in blocks])
+    batched = np.array(model(mx.array([sum(blocks, [])]), step)[0])
+    assert calls == [3] * len(model.model.layers)  # one fused node per layer, three sequences
+    at = 0
+    for block, want in zip(blocks, alone):
+        np.testing.assert_array_equal(batched[at:at + len(block)], want)
+        at += len(block)
+
+
 def test_full_attention_buffers_are_written_in_place(tiny_model_dir, tmp_path, native_kernels):
     """Each decode step writes its keys and values into the cache's buffers without copying
     them (a copy per layer and step would cost a pass over the whole cache)."""
@@ -137,7 +174,7 @@ def test_fused_ops_reject_malformed_input(native_kernels):
     keys = values = mx.zeros((1, kv, 8, D))
     out = k.attention_mlp(q, keys, values, 5, 0.25, 0, x, norm, 1e-5, o, gate_up, down)
     np.testing.assert_array_equal(np.array(out), np.array(x))  # all-zero weights: x + 0 + 0
-    with pytest.raises(ValueError, match="N <= length <= capacity"):
+    with pytest.raises(ValueError, match="rows <= length <= capacity"):
         k.attention_mlp(q, keys, values, 9, 0.25, 0, x, norm, 1e-5, o, gate_up, down)
     with pytest.raises(ValueError, match="expected q"):
         k.attention_mlp(q[:, :, :1], keys, values, 5, 0.25, 0, x, norm, 1e-5, o, gate_up, down)
@@ -145,6 +182,18 @@ def test_fused_ops_reject_malformed_input(native_kernels):
         wq, scales, biases = mx.quantize(mx.zeros((H, 128)), group_size=64, bits=8)
         k.attention_mlp(q, keys, values, 5, 0.25, 0, x, norm, 1e-5, o, gate_up,
                         k.KernelWeight((wq, scales, biases), 8, 64, True))
+    with pytest.raises(ValueError, match=r"covering x's 2 rows .*rows \[1, 2\]"):
+        k.attention_inputs_segments(x, norm, 1e-5, qkv, heads, kv, D, D, [0, 4], [1, 2], 1.0,
+                                    freqs)
+    with pytest.raises(ValueError, match="several only for batch 1"):
+        k.attention_inputs_segments(mx.zeros((2, 2, H)), norm, 1e-5, qkv, heads, kv, D, D,
+                                    [0, 4], [1, 1], 1.0, freqs)
+    with pytest.raises(ValueError, match="a length for each of the 2 segments"):
+        k.attention_mlp_segments(q, [keys, keys], [values], [5, 5], [1, 1], 0.25, 0, x, norm,
+                                 1e-5, o, gate_up, down)
+    with pytest.raises(ValueError, match="rows <= length"):
+        k.attention_mlp_segments(q, [keys, keys], [values, values], [5, 0], [1, 1], 0.25, 0, x,
+                                 norm, 1e-5, o, gate_up, down)
     with pytest.raises(ValueError, match=r"down: expected 64 x 96 values"):
         k.attention_mlp(q, keys, values, 5, 0.25, 0, x, norm, 1e-5, o, gate_up,
                         k.KernelWeight((mx.zeros((H, 95)),)))

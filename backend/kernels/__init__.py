@@ -431,8 +431,20 @@ def attention_inputs(x: Any, norm_weight: Any, eps: float, qkv: KernelWeight, he
     (B, N, H) (check ``fused_rows_apply`` first): ``rms_norm(x) @ qkv.T`` split by heads, q
     and k rotated as ``rope`` does at positions ``offset + t``. Equal bit for bit to those
     ops run one by one."""
+    return attention_inputs_segments(x, norm_weight, eps, qkv, heads, kv_heads, head_dim,
+                                     rope_dims, [offset], [x.shape[1]], rope_scale, inv_freqs)
+
+
+def attention_inputs_segments(x: Any, norm_weight: Any, eps: float, qkv: KernelWeight,
+                              heads: int, kv_heads: int, head_dim: int, rope_dims: int,
+                              offsets: list[int], rows: list[int], rope_scale: float,
+                              inv_freqs: Any) -> list:
+    """``attention_inputs`` of several sequences' rows stacked in ``x`` (1, N, H): segment s is
+    ``rows[s]`` rows at positions ``offsets[s] + t``. Returns [q (1, heads, N, D), then k and v
+    (1, kv_heads, rows[s], D) of each segment]; every row equals its sequence's rows alone."""
     return _module.attention_inputs(x, norm_weight, float(eps), qkv, heads, kv_heads, head_dim,
-                                    rope_dims, int(offset), float(rope_scale), inv_freqs)
+                                    rope_dims, [int(o) for o in offsets], list(rows),
+                                    float(rope_scale), inv_freqs)
 
 
 def attention_mlp(q: Any, keys: Any, values: Any, length: int, scale: float, window: int,
@@ -444,8 +456,20 @@ def attention_mlp(q: Any, keys: Any, values: Any, length: int, scale: float, win
     ``window`` keys when > 0), then ``h = x + o(attention)`` and ``h + down(silu(g) * u)`` with
     ``[g | u]`` the stacked gate/up product of ``rms_norm(h)``. Equal bit for bit to those ops
     run one by one."""
-    return _module.attention_mlp(q, keys, values, int(length), float(scale), int(window), x,
-                                 norm_weight, float(eps), o, gate_up, down)
+    return attention_mlp_segments(q, [keys], [values], [length], [x.shape[1]], scale, window,
+                                  x, norm_weight, eps, o, gate_up, down)
+
+
+def attention_mlp_segments(q: Any, keys: list, values: list, lengths: list[int],
+                           rows: list[int], scale: float, window: int, x: Any, norm_weight: Any,
+                           eps: float, o: KernelWeight, gate_up: KernelWeight,
+                           down: KernelWeight) -> Any:
+    """``attention_mlp`` of several sequences' rows stacked in ``q`` / ``x``: segment s's
+    ``rows[s]`` queries attend to its own cache buffers ``keys[s]`` / ``values[s]``, which hold
+    ``lengths[s]`` positions; every row equals its sequence's rows alone."""
+    return _module.attention_mlp(q, list(keys), list(values), [int(n) for n in lengths],
+                                 list(rows), float(scale), int(window), x, norm_weight,
+                                 float(eps), o, gate_up, down)
 
 
 def _gather_applies(x: Any, indices: Any) -> bool:

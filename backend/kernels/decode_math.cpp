@@ -307,13 +307,13 @@ void rms_norm(const float* x, int64_t ldx, int64_t rows, int64_t H, const float*
   for (int64_t r = 0; r < rows; ++r) rms_row(x + r * ldx, H, w, eps, out + r * H);
 }
 
-void rope(View3 x, int64_t N0, int64_t N1, int64_t T, int64_t D, int64_t dims, int64_t offset,
-          float scale, const float* inv_freqs, float* out) {
+void rope_at(View3 x, int64_t N0, int64_t N1, int64_t T, int64_t D, int64_t dims,
+             const int64_t* positions, float scale, const float* inv_freqs, float* out) {
   const int64_t half = dims / 2;
-  // cos/sin per (position, frequency): the angle is formed in float32 as MLX does.
+  // cos/sin per (row, frequency): the angle is formed in float32 as MLX does.
   std::vector<float> cs(static_cast<size_t>(2 * T * half));
   for (int64_t t = 0; t < T; ++t) {
-    const float pos = static_cast<float>(offset + t) * scale;
+    const float pos = static_cast<float>(positions[t]) * scale;
     for (int64_t i = 0; i < half; ++i) {
       const double theta = static_cast<double>(pos * inv_freqs[i]);
       cs[(2 * t) * half + i] = static_cast<float>(std::cos(theta));
@@ -325,6 +325,13 @@ void rope(View3 x, int64_t N0, int64_t N1, int64_t T, int64_t D, int64_t dims, i
       for (int64_t t = 0; t < T; ++t)
         rope_row(x.p + a * x.s0 + b * x.s1 + t * x.s2, out + ((a * N1 + b) * T + t) * D, D, half,
                  cs.data() + 2 * t * half, cs.data() + (2 * t + 1) * half);
+}
+
+void rope(View3 x, int64_t N0, int64_t N1, int64_t T, int64_t D, int64_t dims, int64_t offset,
+          float scale, const float* inv_freqs, float* out) {
+  std::vector<int64_t> positions(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) positions[t] = offset + t;
+  rope_at(x, N0, N1, T, D, dims, positions.data(), scale, inv_freqs, out);
 }
 
 }  // namespace arbor

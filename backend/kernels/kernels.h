@@ -145,4 +145,8 @@ void rms_norm(const float* x, int64_t ldx, int64_t rows, int64_t H, const float*
 void rope(View3 x, int64_t N0, int64_t N1, int64_t T, int64_t D, int64_t dims, int64_t offset,
           float scale, const float* inv_freqs, float* out);
 
+// The same with row t at positions[t] (T entries), whatever the order.
+void rope_at(View3 x, int64_t N0, int64_t N1, int64_t T, int64_t D, int64_t dims,
+             const int64_t* positions, float scale, const float* inv_freqs, float* out);
+
 }  // namespace arbor

@@ -7,6 +7,10 @@
 //                     in place) -> output projection -> + residual -> RMS norm ->
 //                     stacked gate/up product -> silu(gate) * up -> down -> + residual
 //
+// Both take a step's rows by sequence (segments): one sequence, or several whose
+// rows are stacked along the token axis (a batched step, B == 1), each at its own
+// positions and attending to its own cache, as it would alone.
+//
 // Separately these are ~26 graph nodes per layer, and at decode sizes each node's
 // graph building and dispatch cost more than its arithmetic (~10 us against a few).
 // Each stage calls the function the separate op calls (rms_norm, the matvec
@@ -73,8 +77,23 @@ struct Heads {
 
 struct RopeParams {
   int dims;
-  int64_t offset;
   float scale;
+};
+
+// Which rows of the token axis are whose: segment s is rows[s] consecutive rows
+// at positions offsets[s] .. offsets[s] + rows[s] - 1.
+struct Segments {
+  std::vector<int64_t> offsets, rows;
+
+  size_t size() const { return rows.size(); }
+  // The position of every row of the token axis.
+  std::vector<int64_t> positions() const {
+    std::vector<int64_t> out;
+    for (size_t s = 0; s < size(); ++s)
+      for (int64_t t = 0; t < rows[s]; ++t) out.push_back(offsets[s] + t);
+    return out;
+  }
+  bool operator==(const Segments& o) const { return offsets == o.offsets && rows == o.rows; }
 };
 
 struct Norm {
@@ -82,26 +101,36 @@ struct Norm {
   float eps;
 };
 
-// The attention inputs of rows x (B, N, H contiguous): q (B, h.q, N, D), k and v
-// (B, h.kv, N, D), each contiguous: the separate ops' rms_norm, product and rope.
+// The attention inputs of rows x (B, N, H contiguous): q (B, h.q, N, D) and, per
+// segment s of n rows, k[s] and v[s] (B, h.kv, n, D), each contiguous: the separate
+// ops' rms_norm, product and rope (each row at its own position).
 void qkv_rows(const std::vector<mx::array>& in, const Weight& qkv, const float* x, int64_t B,
-              int64_t N, int64_t H, Norm norm, Heads h, RopeParams r, const float* freqs,
-              float* q, float* k, float* v) {
+              int64_t N, int64_t H, Norm norm, Heads h, RopeParams r, const Segments& segs,
+              const float* freqs, float* q, const std::vector<float*>& k,
+              const std::vector<float*>& v) {
   const int64_t M = B * N, W = (h.q + 2 * h.kv) * h.dim;
   std::vector<float> normed(static_cast<size_t>(M * H)), y(static_cast<size_t>(M * W));
   rms_norm(x, H, M, H, norm.w, norm.eps, normed.data());
   product(in, qkv, normed.data(), M, H, y.data());
   // Row (b, t) of y is [q heads | k heads | v heads]; element (b, head, t, j) of a
   // head group starting at column c is y[(b * N + t) * W + c + head * dim + j].
-  rope(View3{y.data(), N * W, h.dim, W}, B, h.q, N, h.dim, r.dims, r.offset, r.scale, freqs, q);
-  rope(View3{y.data() + h.q * h.dim, N * W, h.dim, W}, B, h.kv, N, h.dim, r.dims, r.offset,
-       r.scale, freqs, k);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t head = 0; head < h.kv; ++head)
-      for (int64_t t = 0; t < N; ++t)
-        std::memcpy(v + ((b * h.kv + head) * N + t) * h.dim,
-                    y.data() + (b * N + t) * W + (h.q + h.kv + head) * h.dim,
-                    h.dim * sizeof(float));
+  const std::vector<int64_t> pos = segs.positions();
+  rope_at(View3{y.data(), N * W, h.dim, W}, B, h.q, N, h.dim, r.dims, pos.data(), r.scale, freqs,
+          q);
+  int64_t first = 0;  // the segment's first row
+  for (size_t s = 0; s < segs.size(); ++s) {
+    const int64_t n = segs.rows[s];
+    const float* rows = y.data() + first * W;
+    rope_at(View3{rows + h.q * h.dim, N * W, h.dim, W}, B, h.kv, n, h.dim, r.dims,
+            pos.data() + first, r.scale, freqs, k[s]);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t head = 0; head < h.kv; ++head)
+        for (int64_t t = 0; t < n; ++t)
+          std::memcpy(v[s] + ((b * h.kv + head) * n + t) * h.dim,
+                      rows + (b * N + t) * W + (h.q + h.kv + head) * h.dim,
+                      h.dim * sizeof(float));
+    first += n;
+  }
 }
 
 struct MlpWeights {
@@ -142,8 +171,10 @@ bool same_mlp(const MlpWeights& a, const MlpWeights& b) {
 
 class AttentionInputs : public mx::Primitive {
  public:
-  AttentionInputs(mx::Stream s, Heads heads, float eps, RopeParams rope, Weight qkv)
-      : mx::Primitive(s), heads_(heads), eps_(eps), rope_(rope), qkv_(qkv) {}
+  AttentionInputs(mx::Stream s, Heads heads, float eps, RopeParams rope, Segments segs,
+                  Weight qkv)
+      : mx::Primitive(s), heads_(heads), eps_(eps), rope_(rope), segs_(std::move(segs)),
+        qkv_(qkv) {}
 
   // inputs: x (B, N, H), norm weight (H,), inverse frequencies (rope_dims / 2,), qkv weight.
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -151,13 +182,18 @@ class AttentionInputs : public mx::Primitive {
     register_io(stream(), inputs, outputs);
     mx::cpu::get_command_encoder(stream()).dispatch(
         [in = weak(inputs), out = weak(outputs), h = heads_, eps = eps_, r = rope_,
-         qkv = qkv_]() mutable {
+         segs = segs_, qkv = qkv_]() mutable {
           const auto& x = in[0];
           if (x.size() == 0) return;
           std::vector<char> xs, ws, fs;
+          std::vector<float*> k, v;
+          for (size_t s = 0; s < segs.size(); ++s) {
+            k.push_back(out[1 + 2 * s].data<float>());
+            v.push_back(out[2 + 2 * s].data<float>());
+          }
           qkv_rows(in, qkv, contiguous_floats(x, xs), x.shape(0), x.shape(1), x.shape(2),
-                   Norm{contiguous_floats(in[1], ws), eps}, h, r, contiguous_floats(in[2], fs),
-                   out[0].data<float>(), out[1].data<float>(), out[2].data<float>());
+                   Norm{contiguous_floats(in[1], ws), eps}, h, r, segs,
+                   contiguous_floats(in[2], fs), out[0].data<float>(), k, v);
         });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
@@ -167,19 +203,31 @@ class AttentionInputs : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const AttentionInputs&>(other);
     return heads_.q == o.heads_.q && heads_.kv == o.heads_.kv && heads_.dim == o.heads_.dim &&
-        eps_ == o.eps_ && rope_.dims == o.rope_.dims && rope_.offset == o.rope_.offset &&
-        rope_.scale == o.rope_.scale && same_kind(qkv_, o.qkv_);
+        eps_ == o.eps_ && rope_.dims == o.rope_.dims && rope_.scale == o.rope_.scale &&
+        segs_ == o.segs_ && same_kind(qkv_, o.qkv_);
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    const int B = inputs[0].shape(0), N = inputs[0].shape(1), D = static_cast<int>(heads_.dim);
-    return {{B, static_cast<int>(heads_.q), N, D}, {B, static_cast<int>(heads_.kv), N, D},
-            {B, static_cast<int>(heads_.kv), N, D}};
+    return shapes(inputs[0].shape(0), heads_, segs_);
+  }
+
+  // q (B, heads, N, D), then k and v (B, kv_heads, n, D) of each segment of n rows.
+  static std::vector<mx::Shape> shapes(int B, Heads h, const Segments& segs) {
+    const int D = static_cast<int>(h.dim), kv = static_cast<int>(h.kv);
+    int N = 0;
+    for (int64_t n : segs.rows) N += static_cast<int>(n);
+    std::vector<mx::Shape> out{{B, static_cast<int>(h.q), N, D}};
+    for (int64_t n : segs.rows) {
+      out.push_back({B, kv, static_cast<int>(n), D});
+      out.push_back({B, kv, static_cast<int>(n), D});
+    }
+    return out;
   }
 
  private:
   Heads heads_;
   float eps_;
   RopeParams rope_;
+  Segments segs_;
   Weight qkv_;
 };
 
@@ -188,34 +236,51 @@ struct AttentionParams {
   int64_t window;  // 0: none
 };
 
-// Attention and everything after it, for a full-attention cache: the keys and
-// values buffers (B, Hkv, capacity, D) hold positions 0 .. length - 1 (the queries
-// q (B, Hq, N, D) are the last N); causal attention over them as the attention op
-// computes it, then mlp_rows. Reads the buffers in place (no history slices).
+// Attention and everything after it, for full-attention caches: per segment s, the
+// key and value buffers (B, Hkv, capacity, D) hold positions 0 .. lengths[s] - 1
+// (the segment's queries are the last of them); causal attention over them as the
+// attention op computes it, then mlp_rows over every row. Reads the buffers in
+// place (no history slices).
 class AttentionMlp : public mx::UnaryPrimitive {
  public:
-  AttentionMlp(mx::Stream s, int64_t length, AttentionParams attention, float eps, MlpWeights w)
-      : mx::UnaryPrimitive(s), length_(length), attention_(attention), eps_(eps), w_(w) {}
+  AttentionMlp(mx::Stream s, std::vector<int64_t> lengths, std::vector<int64_t> rows,
+               AttentionParams attention, float eps, MlpWeights w)
+      : mx::UnaryPrimitive(s), lengths_(std::move(lengths)), rows_(std::move(rows)),
+        attention_(attention), eps_(eps), w_(w) {}
 
-  // inputs: q, keys, values, residual x (B, N, H), norm weight (H,), the mlp weights.
+  // inputs: q, residual x (B, N, H), norm weight (H,), each segment's keys and values,
+  // the mlp weights.
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& output) override {
     alloc_out(output);
     std::vector<mx::array> outputs{output};
     register_io(stream(), inputs, outputs);
     mx::cpu::get_command_encoder(stream()).dispatch(
-        [in = weak(inputs), out = mx::array::unsafe_weak_copy(output), L = length_,
-         a = attention_, eps = eps_, w = w_]() mutable {
+        [in = weak(inputs), out = mx::array::unsafe_weak_copy(output), lengths = lengths_,
+         rows = rows_, a = attention_, eps = eps_, w = w_]() mutable {
           const auto& q = in[0];
-          const auto& x = in[3];
+          const auto& x = in[1];
           if (x.size() == 0) return;
           const int64_t B = q.shape(0), Hq = q.shape(1), N = q.shape(2), D = q.shape(3);
-          const int64_t Hkv = in[1].shape(1);
+          const int64_t Hkv = in[3].shape(1);
           std::vector<char> qs, ks, vs, xs, ws;
-          std::vector<float> attn(q.size());
-          attention(view_of(q, qs), view_of(in[1], ks), view_of(in[2], vs), B, Hq, Hkv, N, L, D,
-                    D, a.scale, true, a.window, attn.data());
+          std::vector<float> attn(q.size()), part;
+          const View3 qv = view_of(q, qs);
+          int64_t first = 0;
+          for (size_t s = 0; s < rows.size(); ++s) {
+            const int64_t n = rows[s];
+            // One segment writes attn directly; several (B == 1) go through `part`.
+            float* dest = rows.size() == 1 ? attn.data() : (part.resize(Hq * n * D), part.data());
+            attention(View3{qv.p + first * qv.s2, qv.s0, qv.s1, qv.s2}, view_of(in[3 + 2 * s], ks),
+                      view_of(in[4 + 2 * s], vs), B, Hq, Hkv, n, lengths[s], D, D, a.scale, true,
+                      a.window, dest);
+            if (rows.size() > 1)
+              for (int64_t head = 0; head < Hq; ++head)
+                std::memcpy(attn.data() + (head * N + first) * D, part.data() + head * n * D,
+                            n * D * sizeof(float));
+            first += n;
+          }
           mlp_rows(in, w, attn.data(), Hq, D, contiguous_floats(x, xs), B, N, x.shape(2),
-                   Norm{contiguous_floats(in[4], ws), eps}, out.data<float>());
+                   Norm{contiguous_floats(in[2], ws), eps}, out.data<float>());
         });
   }
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
@@ -224,15 +289,15 @@ class AttentionMlp : public mx::UnaryPrimitive {
   const char* name() const override { return "ArborAttentionMlp"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const AttentionMlp&>(other);
-    return length_ == o.length_ && attention_.scale == o.attention_.scale &&
+    return lengths_ == o.lengths_ && rows_ == o.rows_ && attention_.scale == o.attention_.scale &&
         attention_.window == o.attention_.window && eps_ == o.eps_ && same_mlp(w_, o.w_);
   }
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    return {inputs[3].shape()};
+    return {inputs[1].shape()};
   }
 
  private:
-  int64_t length_;
+  std::vector<int64_t> lengths_, rows_;
   AttentionParams attention_;
   float eps_;
   MlpWeights w_;
@@ -300,16 +365,41 @@ void require_rows(const char* op, const mx::array& x, const mx::array& norm) {
 }
 
 void require_heads(const char* op, const mx::array& inv_freqs, int heads, int kv_heads,
-                   int head_dim, int rope_dims, int64_t offset) {
+                   int head_dim, int rope_dims) {
   require_f32(op, inv_freqs, "inv_freqs");
   if (heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || rope_dims <= 0 ||
       rope_dims % 2 != 0 || rope_dims > head_dim || inv_freqs.ndim() != 1 ||
-      inv_freqs.shape(0) != rope_dims / 2 || offset < 0)
-    fail(op, "expected heads a multiple of kv_heads, an even rope_dims <= head_dim, inv_freqs "
-             "(rope_dims / 2,) and offset >= 0; got heads " + std::to_string(heads) +
+      inv_freqs.shape(0) != rope_dims / 2)
+    fail(op, "expected heads a multiple of kv_heads, an even rope_dims <= head_dim and inv_freqs "
+             "(rope_dims / 2,); got heads " + std::to_string(heads) +
              ", kv_heads " + std::to_string(kv_heads) + ", head_dim " +
              std::to_string(head_dim) + ", rope_dims " + std::to_string(rope_dims) +
-             ", inv_freqs " + shape_str(inv_freqs) + ", offset " + std::to_string(offset) + ".");
+             ", inv_freqs " + shape_str(inv_freqs) + ".");
+}
+
+std::string list_str(const std::vector<int64_t>& values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i)
+    out += (i ? ", " : "") + std::to_string(values[i]);
+  return out + "]";
+}
+
+// Segments that cover x's N rows (several only for B == 1), each with a row and
+// a position >= 0 (for attention_mlp: the cache lengths, each >= its rows, checked there).
+Segments take_segments(const char* op, const mx::array& x, std::vector<int64_t> offsets,
+                       std::vector<int64_t> rows) {
+  int64_t total = 0;
+  bool ok = !rows.empty() && offsets.size() == rows.size() &&
+      (rows.size() == 1 || x.shape(0) == 1);
+  for (size_t s = 0; ok && s < rows.size(); ++s) {
+    ok = rows[s] >= 1 && offsets[s] >= 0;
+    total += rows[s];
+  }
+  if (!ok || total != x.shape(1))
+    fail(op, "expected segments of >= 1 rows at offsets >= 0 covering x's " +
+                 std::to_string(x.shape(1)) + " rows (several only for batch 1); got offsets " +
+                 list_str(offsets) + ", rows " + list_str(rows) + " for x " + shape_str(x) + ".");
+  return Segments{std::move(offsets), std::move(rows)};
 }
 
 MlpWeights take_mlp(const char* op, int64_t H, int64_t A, const WeightArg& o,
@@ -330,45 +420,64 @@ MlpWeights take_mlp(const char* op, int64_t H, int64_t A, const WeightArg& o,
 
 std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& norm_weight,
                                         float eps, const WeightArg& qkv, int heads, int kv_heads,
-                                        int head_dim, int rope_dims, int64_t offset,
-                                        float rope_scale, const mx::array& inv_freqs,
-                                        mx::StreamOrDevice s) {
+                                        int head_dim, int rope_dims,
+                                        const std::vector<int64_t>& offsets,
+                                        const std::vector<int64_t>& rows, float rope_scale,
+                                        const mx::array& inv_freqs, mx::StreamOrDevice s) {
   const char* op = "attention_inputs";
   require_rows(op, x, norm_weight);
-  require_heads(op, inv_freqs, heads, kv_heads, head_dim, rope_dims, offset);
+  require_heads(op, inv_freqs, heads, kv_heads, head_dim, rope_dims);
+  Segments segs = take_segments(op, x, offsets, rows);
   std::vector<mx::array> inputs{x, norm_weight, inv_freqs};
   const int64_t width = static_cast<int64_t>(heads + 2 * kv_heads) * head_dim;
   const Weight w = take_weight(op, "qkv", qkv, width, x.shape(2), inputs);
-  const int B = x.shape(0), N = x.shape(1);
-  auto prim = std::make_shared<AttentionInputs>(cpu_stream(s), Heads{heads, kv_heads, head_dim},
-                                                eps, RopeParams{rope_dims, offset, rope_scale}, w);
-  return mx::array::make_arrays({{B, heads, N, head_dim}, {B, kv_heads, N, head_dim},
-                                 {B, kv_heads, N, head_dim}},
-                                {mx::float32, mx::float32, mx::float32}, prim, inputs);
+  const Heads h{heads, kv_heads, head_dim};
+  auto shapes = AttentionInputs::shapes(x.shape(0), h, segs);
+  std::vector<mx::Dtype> types(shapes.size(), mx::float32);
+  auto prim = std::make_shared<AttentionInputs>(cpu_stream(s), h, eps,
+                                                RopeParams{rope_dims, rope_scale},
+                                                std::move(segs), w);
+  return mx::array::make_arrays(std::move(shapes), types, prim, inputs);
 }
 
-mx::array attention_mlp(const mx::array& q, const mx::array& keys, const mx::array& values,
-                        int64_t length, float scale, int64_t window, const mx::array& x,
-                        const mx::array& norm_weight, float eps, const WeightArg& o,
-                        const WeightArg& gate_up, const WeightArg& down, mx::StreamOrDevice s) {
+mx::array attention_mlp(const mx::array& q, const std::vector<mx::array>& keys,
+                        const std::vector<mx::array>& values, const std::vector<int64_t>& lengths,
+                        const std::vector<int64_t>& rows, float scale, int64_t window,
+                        const mx::array& x, const mx::array& norm_weight, float eps,
+                        const WeightArg& o, const WeightArg& gate_up, const WeightArg& down,
+                        mx::StreamOrDevice s) {
   const char* op = "attention_mlp";
   require_rows(op, x, norm_weight);
-  for (auto [a, what] : {std::pair{&q, "q"}, std::pair{&keys, "keys"}, std::pair{&values, "values"}})
-    require_f32(op, *a, what);
-  const bool ok = q.ndim() == 4 && keys.ndim() == 4 && keys.shape() == values.shape() &&
-      q.shape(0) == x.shape(0) && q.shape(2) == x.shape(1) && keys.shape(0) == q.shape(0) &&
-      keys.shape(1) > 0 && q.shape(1) % keys.shape(1) == 0 && keys.shape(3) == q.shape(3) &&
-      length >= q.shape(2) && length <= keys.shape(2) && window >= 0;
+  require_f32(op, q, "q");
+  if (keys.size() != rows.size() || values.size() != rows.size() ||
+      lengths.size() != rows.size())
+    fail(op, "expected keys, values and a length for each of the " +
+                 std::to_string(rows.size()) + " segments.");
+  take_segments(op, x, lengths, rows);
+  bool ok = q.ndim() == 4 && q.shape(0) == x.shape(0) && q.shape(2) == x.shape(1) && window >= 0;
+  for (size_t i = 0; ok && i < rows.size(); ++i) {
+    const auto& k = keys[i];
+    const auto& v = values[i];
+    ok = k.dtype() == mx::float32 && v.dtype() == mx::float32 && k.ndim() == 4 &&
+        k.shape() == v.shape() && k.shape(0) == q.shape(0) && k.shape(1) > 0 &&
+        q.shape(1) % k.shape(1) == 0 && k.shape(1) == keys[0].shape(1) &&
+        k.shape(3) == q.shape(3) && lengths[i] >= rows[i] && lengths[i] <= k.shape(2);
+  }
   if (!ok)
-    fail(op, "expected q (B, Hq, N, D) for x (B, N, H), key and value buffers (B, Hkv, capacity, "
-             "D) with Hq a multiple of Hkv, N <= length <= capacity and window >= 0; got q " +
-             shape_str(q) + ", keys " + shape_str(keys) + ", values " + shape_str(values) +
-             ", x " + shape_str(x) + ", length " + std::to_string(length) + ".");
-  std::vector<mx::array> inputs{q, keys, values, x, norm_weight};
+    fail(op, "expected q (B, Hq, N, D) for x (B, N, H), float32 key and value buffers "
+             "(B, Hkv, capacity, D) with Hq a multiple of Hkv, each segment's rows <= length <= "
+             "capacity and window >= 0; got q " + shape_str(q) + ", keys " +
+             shape_str(keys[0]) + ", values " + shape_str(values[0]) + ", x " + shape_str(x) +
+             ", lengths " + list_str(lengths) + ", rows " + list_str(rows) + ".");
+  std::vector<mx::array> inputs{q, x, norm_weight};
+  for (size_t i = 0; i < rows.size(); ++i) {
+    inputs.push_back(keys[i]);
+    inputs.push_back(values[i]);
+  }
   const MlpWeights w = take_mlp(op, x.shape(2), static_cast<int64_t>(q.shape(1)) * q.shape(3), o,
                                 gate_up, down, inputs);
   return mx::array(x.shape(), mx::float32,
-                   std::make_shared<AttentionMlp>(cpu_stream(s), length,
+                   std::make_shared<AttentionMlp>(cpu_stream(s), lengths, rows,
                                                   AttentionParams{scale, window}, eps, w),
                    std::move(inputs));
 }

@@ -18,25 +18,33 @@ namespace mx = mlx::core;
 // products round their inputs to int8 first (4-bit weights, groups of 64 or 128).
 using WeightArg = std::tuple<std::vector<mx::array>, int, int, bool>;
 
-// x (B, N, H) float32 -> [q (B, heads, N, D), k (B, kv_heads, N, D), v (B, kv_heads, N, D)]:
-// rms_norm(x, norm_weight, eps) @ qkv.T (qkv: the q, k and v rows stacked), split by
-// heads, q and k rotated (non-traditional RoPE of the first rope_dims of each head,
-// positions offset + t, angle i = (position * rope_scale) * inv_freqs[i]).
+// A step's rows by sequence: segment s is rows[s] consecutive rows of the token
+// axis (several segments only for B == 1), each sequence's as it would run alone.
+
+// x (B, N, H) float32 -> [q (B, heads, N, D), then k and v (B, kv_heads, n, D) of
+// each segment of n rows]: rms_norm(x, norm_weight, eps) @ qkv.T (qkv: the q, k and
+// v rows stacked), split by heads, q and k rotated (non-traditional RoPE of the
+// first rope_dims of each head; segment s's rows at positions offsets[s] + t, angle
+// i = (position * rope_scale) * inv_freqs[i]).
 std::vector<mx::array> attention_inputs(const mx::array& x, const mx::array& norm_weight,
                                         float eps, const WeightArg& qkv, int heads, int kv_heads,
-                                        int head_dim, int rope_dims, int64_t offset,
-                                        float rope_scale, const mx::array& inv_freqs,
-                                        mx::StreamOrDevice s = {});
+                                        int head_dim, int rope_dims,
+                                        const std::vector<int64_t>& offsets,
+                                        const std::vector<int64_t>& rows, float rope_scale,
+                                        const mx::array& inv_freqs, mx::StreamOrDevice s = {});
 
-// Attention over a full-attention cache's key / value buffers (B, Hkv, capacity, D),
-// which hold positions 0 .. length - 1 (q (B, Hq, N, D): the last N of them; causal,
-// the last `window` keys when window > 0), then h = x + attn_rows @ o.T (each position's
-// heads side by side) and h + down(silu(g) * u) for [g | u] = rms_norm(h, norm_weight,
-// eps) @ gate_up.T (gate_up: the gate rows, then the up rows) -> (B, N, H) float32.
-mx::array attention_mlp(const mx::array& q, const mx::array& keys, const mx::array& values,
-                        int64_t length, float scale, int64_t window, const mx::array& x,
-                        const mx::array& norm_weight, float eps, const WeightArg& o,
-                        const WeightArg& gate_up, const WeightArg& down,
+// Per segment s, attention over a full-attention cache's key / value buffers
+// keys[s], values[s] (B, Hkv, capacity, D), which hold positions 0 .. lengths[s] - 1
+// (the segment's queries in q (B, Hq, N, D) are the last rows[s] of them; causal,
+// the last `window` keys when window > 0), then over every row h = x + attn_rows @
+// o.T (each position's heads side by side) and h + down(silu(g) * u) for [g | u] =
+// rms_norm(h, norm_weight, eps) @ gate_up.T (gate_up: the gate rows, then the up
+// rows) -> (B, N, H) float32.
+mx::array attention_mlp(const mx::array& q, const std::vector<mx::array>& keys,
+                        const std::vector<mx::array>& values, const std::vector<int64_t>& lengths,
+                        const std::vector<int64_t>& rows, float scale, int64_t window,
+                        const mx::array& x, const mx::array& norm_weight, float eps,
+                        const WeightArg& o, const WeightArg& gate_up, const WeightArg& down,
                         mx::StreamOrDevice s = {});
 
 }  // namespace arbor

@@ -334,30 +334,33 @@ NB_MODULE(_arbor_kernels, m) {
   m.def("attention_inputs",
         [](const mx::array& x, const mx::array& norm_weight, float eps,
            const arbor::WeightArg& qkv, int heads, int kv_heads, int head_dim, int rope_dims,
-           int64_t offset, float rope_scale, const mx::array& inv_freqs) {
+           const std::vector<int64_t>& offsets, const std::vector<int64_t>& rows,
+           float rope_scale, const mx::array& inv_freqs) {
           return arbor::attention_inputs(x, norm_weight, eps, qkv, heads, kv_heads, head_dim,
-                                         rope_dims, offset, rope_scale, inv_freqs);
+                                         rope_dims, offsets, rows, rope_scale, inv_freqs);
         },
         nb::arg("x"), nb::arg("norm_weight"), nb::arg("eps"), nb::arg("qkv"), nb::arg("heads"),
-        nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("rope_dims"), nb::arg("offset"),
-        nb::arg("rope_scale"), nb::arg("inv_freqs"),
-        "[q, k, v] (B, heads, N, D) of a pre-norm attention layer for float32 x (B, N, H): "
-        "RMS norm, the stacked q/k/v product, RoPE of q and k at positions offset + t. A weight "
-        "is (arrays, bits, group_size, int8_inputs).");
+        nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("rope_dims"), nb::arg("offsets"),
+        nb::arg("rows"), nb::arg("rope_scale"), nb::arg("inv_freqs"),
+        "[q, k_1, v_1, ...] of a pre-norm attention layer for float32 x (B, N, H): RMS norm, "
+        "the stacked q/k/v product, RoPE of q and k; segment s is rows[s] rows at positions "
+        "offsets[s] + t with its own k and v. A weight is (arrays, bits, group_size, "
+        "int8_inputs).");
   m.def("attention_mlp",
-        [](const mx::array& q, const mx::array& keys, const mx::array& values, int64_t length,
-           float scale, int64_t window, const mx::array& x, const mx::array& norm_weight,
-           float eps, const arbor::WeightArg& o, const arbor::WeightArg& gate_up,
-           const arbor::WeightArg& down) {
-          return arbor::attention_mlp(q, keys, values, length, scale, window, x, norm_weight, eps,
-                                      o, gate_up, down);
+        [](const mx::array& q, const std::vector<mx::array>& keys,
+           const std::vector<mx::array>& values, const std::vector<int64_t>& lengths,
+           const std::vector<int64_t>& rows, float scale, int64_t window, const mx::array& x,
+           const mx::array& norm_weight, float eps, const arbor::WeightArg& o,
+           const arbor::WeightArg& gate_up, const arbor::WeightArg& down) {
+          return arbor::attention_mlp(q, keys, values, lengths, rows, scale, window, x,
+                                      norm_weight, eps, o, gate_up, down);
         },
-        nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("length"), nb::arg("scale"),
-        nb::arg("window"), nb::arg("x"), nb::arg("norm_weight"), nb::arg("eps"), nb::arg("o"),
-        nb::arg("gate_up"), nb::arg("down"),
-        "Causal attention over the first `length` positions of a cache's key / value buffers, "
-        "then the rest of a pre-norm layer: x + o(attn) -> h, h + down(silu(gate) * up) of the "
-        "RMS-normed h.");
+        nb::arg("q"), nb::arg("keys"), nb::arg("values"), nb::arg("lengths"), nb::arg("rows"),
+        nb::arg("scale"), nb::arg("window"), nb::arg("x"), nb::arg("norm_weight"),
+        nb::arg("eps"), nb::arg("o"), nb::arg("gate_up"), nb::arg("down"),
+        "Per segment, causal attention over the first `lengths[s]` positions of its cache's key "
+        "/ value buffers, then the rest of a pre-norm layer over every row: x + o(attn) -> h, "
+        "h + down(silu(gate) * up) of the RMS-normed h.");
   m.def("gather_matvec",
         [](const mx::array& x, const mx::array& w, const mx::array& indices) {
           return arbor::gather_matvec(x, w, indices);

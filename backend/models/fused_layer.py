@@ -10,6 +10,14 @@ the cache's two buffer writes (``KVCache.append``, in place) and ``kernels.atten
 functions the separate ops call, so outputs are equal bit for bit (tests/test_fused_layers.py)
 and a verify block still equals decode steps.
 
+A batched step (``caches/segments.py``) takes the same four-node shape: every sequence's rows
+stacked on the token axis, ``kernels.attention_inputs_segments`` rotates each sequence's rows
+at its own positions and returns its keys and values apart, each cache appends its own, and
+``kernels.attention_mlp_segments`` attends each sequence's rows to its own buffers. The
+products are row-invariant, so each sequence's rows equal its rows alone, bit for bit; the
+per-sequence graph nodes of the separate path (RoPE, slices, attention, joins) are gone, and
+so is most of a batched step's cost beyond the products.
+
 What it does not cover stays on the separate ops: biases, q/k norms, output gates, scaled
 RoPE outputs, Gemma's offset norms, non-SwiGLU or mixture-of-experts MLPs, caches other than
 a float32 full-attention ``KVCache`` (its sliding windows are masks: covered), more than
@@ -23,6 +31,7 @@ import mlx.core as mx
 from backend import kernels
 from backend.caches.base import Cache
 from backend.caches.kv import KVCache
+from backend.caches.segments import Segments
 from backend.models.cpu_linear import KernelLinear, KernelQuantizedLinear, StackedProjections
 from backend.models.layers import Attention, GatedMLP, RMSNorm
 
@@ -84,15 +93,38 @@ class FusedLayer:
                                               mlp.down_proj)]
         return None if None in weights else cls(layer, *weights)
 
-    def __call__(self, x: mx.array, cache: Cache) -> mx.array | None:
+    def __call__(self, x: mx.array, cache: Cache | Segments) -> mx.array | None:
         """The layer's output, or None where the fused kernels do not apply (then run the
         separate ops)."""
-        if type(cache) is not KVCache or not self._causal or not cache.holds_float32():
+        if not self._causal or not kernels.fused_rows_apply(x):
+            return None
+        if isinstance(cache, Segments):
+            return self._segments(x, cache)
+        if not _fused_cache(cache):
             return None
         offset = cache.offset
-        if not isinstance(offset, int) or not kernels.fused_rows_apply(x):
-            return None
         q, k, v = kernels.attention_inputs(x, *self._inputs, offset, *self._rope)
         cache.append(k, v)  # the attention reads the buffers in place: no history views
         return kernels.attention_mlp(q, cache.keys, cache.values, cache.offset,
                                      *self._attention, x, *self._rest)
+
+    def _segments(self, x: mx.array, segments: Segments) -> mx.array | None:
+        """Several sequences' rows (one batched step), each at its own cache."""
+        caches = segments.caches
+        if not all(_fused_cache(c) for c in caches):
+            return None
+        rows = segments.lengths
+        q, *kv = kernels.attention_inputs_segments(x, *self._inputs, [c.offset for c in caches],
+                                                   rows, *self._rope)
+        for cache, k, v in zip(caches, kv[0::2], kv[1::2]):
+            cache.append(k, v)
+        return kernels.attention_mlp_segments(q, [c.keys for c in caches],
+                                              [c.values for c in caches],
+                                              [c.offset for c in caches], rows,
+                                              *self._attention, x, *self._rest)
+
+
+def _fused_cache(cache: Cache) -> bool:
+    """A float32 full-attention cache at a known offset: what the kernels read in place."""
+    return (type(cache) is KVCache and cache.holds_float32()
+            and isinstance(cache.offset, int))
