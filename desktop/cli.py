@@ -495,6 +495,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.against == "mlx-lm":
         bench.require_mlx_lm()  # before any work: one line saying how to get it
     work = cache_dir() / "bench"
+    print(_kernel_state())  # every figure below depends on it: say it with them
     if args.suite == "gguf":
         return _bench_gguf(args, work)
     source = ModelStore().resolve(args.model)
@@ -554,6 +555,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(bench_glm.describe())
         print(bench_hybrid.format_table(rows))
     return 0
+
+
+def _kernel_state() -> str:
+    """One line: the native CPU kernels' instruction set, or why they are off (then every
+    product runs on MLX's own ops, and the figures are not Arbor's usual path)."""
+    from backend import kernels
+
+    if kernels.ensure_built():
+        return f"native CPU kernels: {kernels.isa()}"
+    return f"native CPU kernels: OFF ({kernels.unavailable_reason()})"
 
 
 def _size_option(flag: str, value: str) -> tuple[int, int] | None:

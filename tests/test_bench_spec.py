@@ -39,6 +39,16 @@ def test_arbor_bench_spec_on_the_command_line(tiny_model_dir, tmp_path, monkeypa
     assert "prompt lookup" in table and "draft model" in table and "mlx-lm" not in table
     assert "Gemma 4 assistant" in table and "same tokens as plain: yes" in table
     assert "dflash" in table and "mtp" in table
+    assert table.startswith("native CPU kernels: ")  # the figures say which path they timed
+
+
+def test_bench_says_when_the_native_kernels_are_off(monkeypatch):
+    from backend import kernels
+    from desktop.cli import _kernel_state
+
+    monkeypatch.setattr(kernels, "ensure_built", lambda quiet=True: False)
+    monkeypatch.setattr(kernels, "unavailable_reason", lambda: "no compiler")
+    assert _kernel_state() == "native CPU kernels: OFF (no compiler)"
 
 
 @pytest.mark.parametrize("flag", ["--assistant-size", "--drafter-size"])
