@@ -36,6 +36,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from backend.bench import gemma4 as bench_gemma4
+from backend.bench.drafters import break_even_acceptance
 
 #: The assistant's shape: the E2B / E4B assistants' width and depth, a centroid head.
 ASSISTANT_WIDTH, ASSISTANT_LAYERS, CLUSTER_IDS, TOP_CLUSTERS = 256, 4, 128, 32
@@ -52,19 +53,7 @@ class Costs:
         """Per-draft acceptance at which ``drafts`` per round pay exactly (None: never, even
         when every draft is accepted)."""
         cost = drafts * self.draft_s + self.verify_s[drafts]
-
-        def tokens_per_s(a: float) -> float:
-            expected = drafts + 1 if a >= 1 else (1 - a ** (drafts + 1)) / (1 - a)
-            return expected / cost
-
-        plain = 1 / self.plain_s
-        if tokens_per_s(1.0) < plain:
-            return None
-        lo, hi = 0.0, 1.0
-        for _ in range(40):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if tokens_per_s(mid) < plain else (lo, mid)
-        return hi
+        return break_even_acceptance(drafts, cost / self.plain_s)
 
 
 def assistant_config(target: dict) -> dict:

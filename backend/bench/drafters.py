@@ -62,15 +62,25 @@ class CostRow:
     @property
     def break_even(self) -> float | None:
         """The per-draft acceptance at which a round pays as plain steps do (None: never)."""
-        ratio = (self.draft_ms + self.verify_ms) / self.plain_ms
-        expected = lambda a: sum(a ** j for j in range(self.drafts + 1))  # noqa: E731
-        if expected(1.0) <= ratio:
-            return None
-        lo, hi = 0.0, 1.0
-        for _ in range(50):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if expected(mid) < ratio else (lo, mid)
-        return hi
+        return break_even_acceptance(self.drafts,
+                                     (self.draft_ms + self.verify_ms) / self.plain_ms)
+
+
+def break_even_acceptance(drafts: int, round_in_plain_steps: float) -> float | None:
+    """The per-draft acceptance ``a`` at which a round of ``drafts`` drafts, costing
+    ``round_in_plain_steps`` plain steps, commits as many tokens per second as plain decoding:
+    ``1 + a + ... + a^drafts = round_in_plain_steps`` (None: not even when every draft is
+    accepted)."""
+    def expected(a: float) -> float:
+        return sum(a ** j for j in range(drafts + 1))
+
+    if expected(1.0) <= round_in_plain_steps:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected(mid) < round_in_plain_steps else (lo, mid)
+    return hi
 
 
 def write_pair(source: Path, work: Path, hidden_size: int = 1024, layers: int = 8,
