@@ -1,4 +1,4 @@
-"""DFlash block drafts for Qwen3.5 / Qwen3.6 targets.
+"""DFlash block drafts for Qwen3.5 / Qwen3.6 and Gemma 4 targets.
 
 The tiny drafter (tests/fixtures/fitted_drafters.py: the published layout, two layers reading
 the target's layers 0 and 2, blocks of 16) is made with mlx-vlm's ``DFlashDraftModel`` and
@@ -40,11 +40,49 @@ from tests.test_speculative_distribution import (_accept_everything, _reject_to_
 REFERENCE_TOLERANCE = 1e-4
 
 
+#: The target kinds a block drafter reads: recurrent (Qwen3.5's gated-delta layers) and
+#: sliding-window (Gemma 4: windows of 8, so a block of 16 wraps inside itself; shared keys).
+TARGETS = ["qwen3_5", "gemma4"]
+_pairs: dict[str, tuple] = {}
+
+
+def _pair(name: str, tiny_model_dir, tmp_path_factory) -> tuple:
+    """(target folder, fitted drafter folder), made once per target."""
+    if name not in _pairs:
+        target = tiny_model_dir(name)
+        _pairs[name] = target, fitted_dflash_checkpoint(
+            target, tmp_path_factory.mktemp(f"dflash-{name}") / "d")
+    return _pairs[name]
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def pair(request, tiny_model_dir, tmp_path_factory):
+    """Each target kind with its fitted drafter."""
+    return _pair(request.param, tiny_model_dir, tmp_path_factory)
+
+
 @pytest.fixture(scope="module")
-def pair(tiny_model_dir, tmp_path_factory):
-    """(target folder, fitted drafter folder)."""
-    target = tiny_model_dir("qwen3_5")
-    return target, fitted_dflash_checkpoint(target, tmp_path_factory.mktemp("dflash") / "d")
+def qwen_pair(tiny_model_dir, tmp_path_factory):
+    """The Qwen3.5 pair: for what does not depend on the target's kind (the acceptance rule,
+    pairing, the bench rows, memory)."""
+    return _pair("qwen3_5", tiny_model_dir, tmp_path_factory)
+
+
+def test_the_drafter_reads_the_target_layers_outputs_as_transformers_computes_them(pair):
+    """What the block drafter is conditioned on: the target's residual stream after each layer
+    it names (``capture``), concatenated, equals transformers' hidden states after those layers
+    (Gemma 4's own forward, with its shared keys and per-layer inputs, captures as the plain
+    decoder does)."""
+    from tests.fixtures.references import transformers_layer_outputs
+
+    target_folder, folder = pair
+    model = load_model(target_folder, dtype="float32", cpu_kernels=False).model
+    layers = load_model(folder, dtype="float32", cpu_kernels=False).model.args.target_layer_ids
+    model.model.capture(layers)
+    tokens = np.array([FIT_PROMPT + OTHER_PROMPT])
+    model.hidden(mx.array(tokens), model.make_caches())
+    want = transformers_layer_outputs(target_folder, tokens, layers)
+    np.testing.assert_allclose(np.array(model.model.captured), want, atol=1e-4, rtol=0)
 
 
 def test_blocks_equal_the_reference(pair):
@@ -190,26 +228,26 @@ def block_trials(pair, rule=None, seed: int = 0):
                                                                             np.float64))
 
 
-def test_sampled_block_drafts_keep_the_target_distribution(pair):
+def test_sampled_block_drafts_keep_the_target_distribution(qwen_pair):
     """The first committed token over all trials (chi-square p > 1e-3, TV < 0.01); the second
     after the most frequent accepted first token, a few thousand trials (p > 1e-3, and TV within
     what that many samples of six tokens stray: < 0.05)."""
-    (first, p0), (second, p1) = block_trials(pair)
+    (first, p0), (second, p1) = block_trials(qwen_pair)
     assert_matches(first[None], p0[None], positions=1)
     tv = 0.5 * np.abs(second / second.sum() - p1).sum()
     assert chi_square_p(second, p1) > 1e-3 and tv < 0.05, tv
 
 
 @pytest.mark.parametrize("rule", [_reject_to_target, _accept_everything])
-def test_a_broken_residual_or_keeping_every_draft_fails_it(pair, rule):
-    (counts, probs), _ = block_trials(pair, rule)
+def test_a_broken_residual_or_keeping_every_draft_fails_it(qwen_pair, rule):
+    (counts, probs), _ = block_trials(qwen_pair, rule)
     with pytest.raises(AssertionError, match="position 0|outside the target's support"):
         assert_matches(counts[None], probs[None], positions=1)
 
 
 # -- pairing ------------------------------------------------------------------------------------
 
-def test_models_import_pairs_a_dflash_drafter(pair, tmp_path, capsys):
+def test_models_import_pairs_a_dflash_drafter(qwen_pair, tmp_path, capsys):
     """``arbor models import TARGET --draft DFLASH``: the drafter (no tokenizer of its own) is
     stored and paired; generating with the stored model drafts with it. A drafter built for
     other layers is refused with one line, and nothing is paired."""
@@ -218,7 +256,7 @@ def test_models_import_pairs_a_dflash_drafter(pair, tmp_path, capsys):
 
     from desktop.cli import main
 
-    target, folder = pair
+    target, folder = qwen_pair
     assert main(["models", "import", str(target), "--name", "tiny-q35",
                  "--draft", str(folder)]) == 0
     capsys.readouterr()
@@ -244,15 +282,45 @@ def test_models_import_pairs_a_dflash_drafter(pair, tmp_path, capsys):
     assert "tiny-q35-b" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("change,needle", [
+    (lambda c: c.update(layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+     "layer_types ['sliding_attention']"),
+    (lambda c: c["dflash_config"].update(causal=True), "a causal mask inside the block"),
+    (lambda c: c["dflash_config"].update(attention_sink_bias=True), "attention sinks"),
+    (lambda c: c["dflash_config"].update(draft_window_size=64), "a context window of 64"),
+    (lambda c: c["dflash_config"].pop("mask_token_id"), "names no dflash_config.mask_token_id"),
+])
+def test_drafters_beyond_the_published_layout_are_refused_with_one_line(qwen_pair, tmp_path,
+                                                                        change, needle):
+    """A drafter config whose attention Arbor does not implement, or that leaves the mask id
+    out for a target without a default one (Qwen3.5's), is refused when loaded, naming what;
+    nothing drafts with it wrongly."""
+    import json
+    import shutil
+
+    from backend.errors import ModelLoadError
+
+    target, folder = qwen_pair
+    other = tmp_path / "changed"
+    shutil.copytree(folder, other)
+    config = json.loads((other / "config.json").read_text())
+    change(config)
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError) as info:
+        Engine.load(str(target), cache=CacheConfig.memory_only(), draft=str(other))
+    message = str(info.value)
+    assert needle in message and "\n" not in message, message
+
+
 # -- arbor bench spec ---------------------------------------------------------------------------
 
-def test_bench_rows_for_both_drafters_and_their_tokens_equal_plain(pair):
+def test_bench_rows_for_both_drafters_and_their_tokens_equal_plain(qwen_pair):
     """The drafter rows of ``arbor bench spec`` on the tiny pair (the target's own MTP head and
     the fitted DFlash drafter): a row per kind and draft count, and both drafters' replies
     through the engine equal plain decoding's."""
     from backend.bench import drafters as bench_drafters
 
-    target, folder = pair
+    target, folder = qwen_pair
     rows = bench_drafters.round_costs(target, folder, drafts=(1, 15), prompt_tokens=24,
                                       repeats=1, log=lambda m: None)
     assert [(r.drafter, r.drafts) for r in rows] == [("mtp", 1), ("mtp", 15), ("dflash", 1),
@@ -321,7 +389,7 @@ def test_block_drafts_in_a_batch_equal_their_solo_replies(pair):
 # -- memory -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["dflash", "mtp"])
-def test_a_thousand_rounds_keep_active_memory_flat(pair, kind):
+def test_a_thousand_rounds_keep_active_memory_flat(qwen_pair, kind):
     """Rounds as the decode loop runs them (propose, a verify block observed, a random part
     kept, settle), the context started over when it grows past 160: the target states waiting
     for the drafter stay within a round's, and after 1,000 more rounds active memory is where
@@ -330,7 +398,7 @@ def test_a_thousand_rounds_keep_active_memory_flat(pair, kind):
     from backend.speculation.mtp import MTPDrafter
     from backend.speculation.rollback import SpeculativeWrite
 
-    target_folder, folder = pair
+    target_folder, folder = qwen_pair
     model = load_model(target_folder, dtype="float32", cpu_kernels=False).model
     if kind == "dflash":
         draft = load_model(folder, dtype="float32", cpu_kernels=False).model

@@ -29,6 +29,7 @@ import pytest
 
 from backend.api import SamplingParams
 from backend.caches.recurrent import RecurrentCache
+from backend.caches.rotating import RotatingKVCache
 from backend.engine import Engine
 from backend.memory.budgets import CacheBudgets, CacheConfig
 from backend.sampling import Sampler
@@ -61,10 +62,14 @@ def fitted(tiny_model_dir, tmp_path_factory):
 
 
 def cache_contents(cache) -> list[np.ndarray]:
-    """What a cache holds for its positions: keys and values up to the offset, or the
+    """What a cache holds for its positions: keys and values up to the offset, those of the
+    window in logical order (whatever the ring's layout; where the window starts too), or the
     recurrent (conv, delta) state."""
     if isinstance(cache, RecurrentCache):
         return [np.array(a) for a in cache.arrays()]
+    if isinstance(cache, RotatingKVCache):
+        window = cache.visible_keys(cache.offset - 1)
+        return [np.array(window.key_start), np.array(window.keys), np.array(window.values)]
     return [np.array(cache.keys[..., :cache.offset, :]),
             np.array(cache.values[..., :cache.offset, :])]
 

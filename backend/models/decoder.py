@@ -83,6 +83,13 @@ class Backbone(nn.Module):
             h = h * mx.array(self.embed_scale, mx.float32).astype(h.dtype)
         return h
 
+    def keep_captured(self, outputs: list[mx.array]) -> None:
+        """Keep ``outputs`` (the captured layers' outputs of this forward, in layer order) as
+        ``captured``; a subclass's own forward calls it as this one does."""
+        if outputs:
+            self._captured = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs,
+                                                                                 axis=-1)
+
     def __call__(self, tokens: mx.array, caches: list[Cache]) -> mx.array:
         h = self.embed(tokens)
         kept = []
@@ -90,8 +97,7 @@ class Backbone(nn.Module):
             h = layer(h, cache)
             if i in self._capture:
                 kept.append(h)
-        if kept:
-            self._captured = kept[0] if len(kept) == 1 else mx.concatenate(kept, axis=-1)
+        self.keep_captured(kept)
         return self.norm(h)
 
 

@@ -70,7 +70,8 @@ class ModelArgs:
     head_dim: int | None = None
     rms_norm_eps: float = 1e-6
     block_size: int = 16
-    mask_token_id: int = field(default=0, metadata=ZERO_ALLOWED)
+    #: None: the config names none; the target's family default then (``MASK_DEFAULTS``).
+    mask_token_id: int | None = field(default=None, metadata=ZERO_ALLOWED)
     target_layer_ids: list[int] = field(default_factory=list)
     num_target_layers: int = 0
     max_position_embeddings: int = 262144
@@ -80,6 +81,11 @@ class ModelArgs:
     @classmethod
     def from_config(cls, config: dict) -> "ModelArgs":
         block = config_mapping(config, "dflash_config")
+        unsupported = _unsupported_settings(config, block)
+        if unsupported:
+            raise ConfigError(f"this DFlash drafter uses {unsupported}, which Arbor's block "
+                              "drafter does not implement (it drafts with full, non-causal "
+                              "attention over the whole context)")
         extra = {k: block[k] for k in ("mask_token_id", "target_layer_ids", "num_target_layers")
                  if k in block}
         flat = {**config, **extra, "model_type": "dflash"}
@@ -91,10 +97,31 @@ class ModelArgs:
                               "hidden states the drafter reads")
         if args.block_size < 2:
             raise ConfigError(f"block_size must be at least 2, got {args.block_size}")
-        if not 0 <= args.mask_token_id < args.vocab_size:
+        if args.mask_token_id is not None and not 0 <= args.mask_token_id < args.vocab_size:
             raise ConfigError(f"mask_token_id {args.mask_token_id} is outside the vocabulary "
                               f"of {args.vocab_size}")
         return args
+
+
+def _unsupported_settings(config: dict, block: dict) -> str | None:
+    """The first setting of a DFlash config that changes the drafter's attention beyond the
+    published layout (sliding-window layers, a causal block, attention sinks, a windowed
+    context), named; None when there is none."""
+    sliding = [t for t in config.get("layer_types") or [] if t != "full_attention"]
+    if sliding:
+        return f"layer_types {sorted(set(sliding))}"
+    if block.get("causal") or config.get("dflash_query_causal") or config.get("is_causal"):
+        return "a causal mask inside the block"
+    if block.get("attention_sink_bias"):
+        return "attention sinks"
+    if block.get("draft_window_size"):
+        return f"a context window of {block['draft_window_size']} positions"
+    return None
+
+
+#: The mask id a drafter whose config names none uses, by its target's ``model_type`` (Gemma
+#: 4's tokenizer has ``<mask>`` at 4; its DFlash configs leave the id out).
+MASK_DEFAULTS = {"gemma4": 4, "gemma4_text": 4}
 
 
 class ContextAttention(nn.Module):
@@ -192,6 +219,13 @@ class Model(nn.Module):
     def parameter_name(self, checkpoint_name: str) -> str | None:
         return checkpoint_name.removeprefix("model.")
 
+    def mask_id(self, target: Any) -> int | None:
+        """The id the block's draft positions hold: the config's, else the target family's
+        default (None: neither)."""
+        if self.args.mask_token_id is not None:
+            return self.args.mask_token_id
+        return MASK_DEFAULTS.get(getattr(target.args, "model_type", None))
+
     def check_target(self, target: Any) -> str | None:
         """Why this drafter cannot draft for ``target`` (a loaded model), or None."""
         t = target.args
@@ -201,8 +235,10 @@ class Model(nn.Module):
         if t.hidden_size != self.args.hidden_size:
             return (f"it reads hidden states of width {self.args.hidden_size}, the model's are "
                     f"{t.hidden_size}")
-        if type(target.model).__call__ is not Backbone.__call__:
+        if not isinstance(target.model, Backbone):
             return "this model's forward does not capture its layers' hidden states"
+        if self.mask_id(target) is None:
+            return "its config names no dflash_config.mask_token_id"
         layers = len(target.model.layers)
         bad = [i for i in self.args.target_layer_ids if not 0 <= i < layers]
         if bad:

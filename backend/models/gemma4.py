@@ -401,6 +401,7 @@ class Gemma4Backbone(Backbone):
         h = self.embed(tokens)
         per_layer = self.per_layer_inputs(tokens, h) if self.per_layer_width else None
         histories: dict[int, KVHistory] = {}  # the sources' histories of this forward
+        kept = []  # what a block drafter reads (``capture``)
         for i, layer in enumerate(self.layers):
             cache = None if layer.cache_slot is None else caches[layer.cache_slot]
             shared = None if layer.kv_source is None else histories[layer.kv_source]
@@ -408,6 +409,9 @@ class Gemma4Backbone(Backbone):
                                None if per_layer is None else per_layer[:, :, i])
             if i in self.sources:
                 histories[i] = history
+            if i in self._capture:
+                kept.append(h)
+        self.keep_captured(kept)
         return self.norm(h)
 
 

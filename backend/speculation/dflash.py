@@ -47,6 +47,7 @@ class DFlashDrafter:
         self.model = model
         self.draft = draft
         self.max_drafts = min(draft.args.block_size - 1, MAX_BLOCK_DRAFTS)
+        self.mask_id = draft.mask_id(model)
         self.caches: list[KVCache] = draft.make_caches()
         self._observed = Observed()
 
@@ -94,7 +95,7 @@ class DFlashDrafter:
         if self.offset > anchor and not self._rewind(anchor):
             return None
         self._advance(anchor)
-        block = mx.array([[held[-1]] + [self.draft.args.mask_token_id] * n], dtype=mx.int32)
+        block = mx.array([[held[-1]] + [self.mask_id] * n], dtype=mx.int32)
         rows = self.draft.block(self.model.model.embed(block), self.caches)[:, 1:]
         logits = self.model.logits(rows)[0]  # (n, vocab): one distribution per position
         following = iter(range(1, n))
