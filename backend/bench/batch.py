@@ -10,7 +10,8 @@ percentile time to first token, and the 95th percentile gap between two tokens o
 
 Then the stall test: four clients stream, and once each has its first tokens a client with a
 ``long_prompt`` (4k) token prompt arrives; reported: the four clients' median and 95th
-percentile inter-token gap while that prompt was prefilling and after.
+percentile inter-token gap while that prompt was prefilling and after, and their longest gap
+(the long prompt's prefill steps).
 
 Finally what one batched step costs per row count (1..16 rows of one decode token each, every
 row its own sequence) against a one-row step, in-process on the same weights.
@@ -25,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from backend.bench.cache import (Server, WORDS, arbor_server, chunk_text, mlx_lm_server,
                                  stream_chunks)
@@ -112,10 +113,22 @@ def row(server: Server, weights: str, streams: list[Stream]) -> Row:
                percentile(ttfts, 0.5), percentile(ttfts, 0.95), percentile(gaps, 0.95))
 
 
-def stall_test(server: Server, rng: random.Random, long_words: int, new_tokens: int
-               ) -> tuple[float, float, float]:
-    """Four clients stream; a long prompt arrives once each has its first tokens. Returns the
-    four clients' (median gap, p95 gap) over their whole replies and the long prompt's TTFT."""
+class Stall(NamedTuple):
+    """The stall test of one server: the four streaming clients' inter-token gaps over their
+    whole replies (median, 95th percentile, the longest: the prefill steps of the long prompt
+    are a few gaps of each reply, which the percentile does not see), the long prompt's TTFT."""
+
+    server: str
+    weights: str
+    median: float
+    p95: float
+    longest: float
+    long_ttft: float
+
+
+def stall_test(server: Server, rng: random.Random, long_words: int, new_tokens: int,
+               weights: str) -> Stall:
+    """Four clients stream; a long prompt arrives once each has its first tokens."""
     started = threading.Semaphore(0)
     results: list[Stream | None] = [None] * 4
 
@@ -138,7 +151,8 @@ def stall_test(server: Server, rng: random.Random, long_words: int, new_tokens: 
     for t in threads:
         t.join()
     gaps = [g for s in results if s is not None for g in s.gaps]
-    return statistics.median(gaps), percentile(gaps, 0.95), long.ttft
+    return Stall(server.name, weights, statistics.median(gaps), percentile(gaps, 0.95),
+                 max(gaps), long.ttft)
 
 
 def step_costs(folder: Path, rows: range = range(1, 17), context: int = 300,
@@ -189,10 +203,9 @@ def servers(folder: Path, work: Path, max_batch: int, against_mlx_lm: bool) -> l
 def run(variants: dict[str, Path], work: Path, clients: tuple[int, ...] = CLIENTS,
         new_tokens: int = 64, prompt_words: int = 60, long_words: int = 3000,
         max_batch: int = 16, against_mlx_lm: bool = True,
-        log: Callable[[str], None] = print) -> tuple[list[Row], list[tuple], list]:
-    """``variants``: weight format -> model folder. Returns the rows, the stall tests
-    (server, weights, median gap, p95 gap, long prompt TTFT) and the step costs (of the
-    first variant)."""
+        log: Callable[[str], None] = print) -> tuple[list[Row], list[Stall], list]:
+    """``variants``: weight format -> model folder. Returns the rows, the stall tests and the
+    step costs (of the first variant)."""
     rows, stalls = [], []
     for weights, folder in variants.items():
         for server in servers(folder, work, max_batch, against_mlx_lm):
@@ -206,15 +219,14 @@ def run(variants: dict[str, Path], work: Path, clients: tuple[int, ...] = CLIENT
                     rows.append(row(server, weights, concurrent_streams(server, contents,
                                                                         new_tokens)))
                     log(f"  {n} clients: {rows[-1].aggregate_tps:.1f} tok/s")
-                median, p95, ttft = stall_test(server, rng, long_words, new_tokens * 2)
-                stalls.append((server.name, weights, median, p95, ttft))
+                stalls.append(stall_test(server, rng, long_words, new_tokens * 2, weights))
             finally:
                 server.stop()
     first = next(iter(variants.values()))
     return rows, stalls, step_costs(first)
 
 
-def format_table(rows: list[Row], stalls: list[tuple], costs: list[tuple[int, float]]) -> str:
+def format_table(rows: list[Row], stalls: list[Stall], costs: list[tuple[int, float]]) -> str:
     lines = [f"{'server':42} {'weights':8} {'clients':>7} {'aggregate':>10} {'x1':>6} "
              f"{'per client':>10} {'TTFT p50':>9} {'TTFT p95':>9} {'gap p95':>8}"]
     base = {}
@@ -227,10 +239,11 @@ def format_table(rows: list[Row], stalls: list[tuple], costs: list[tuple[int, fl
                      f"{r.ttft_p95:>8.2f}s {1000 * r.gap_p95:>6.0f}ms")
     lines.append("")
     lines.append("a long prompt arriving while 4 clients stream (their inter-token gaps):")
-    for name, weights, median, p95, ttft in stalls:
-        lines.append(f"  {name:42} {weights:8} median {1000 * median:.0f} ms, p95 "
-                     f"{1000 * p95:.0f} ms ({p95 / median:.2f}x), the long prompt's TTFT "
-                     f"{ttft:.1f} s")
+    for st in stalls:
+        lines.append(f"  {st.server:42} {st.weights:8} median {1000 * st.median:.0f} ms, p95 "
+                     f"{1000 * st.p95:.0f} ms ({st.p95 / st.median:.2f}x), longest "
+                     f"{1000 * st.longest:.0f} ms ({st.longest / st.median:.1f}x), the long "
+                     f"prompt's TTFT {st.long_ttft:.1f} s")
     lines.append("")
     one = costs[0][1]
     lines.append("one batched decode step by rows (each row its own sequence), vs one row:")
