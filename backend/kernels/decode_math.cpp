@@ -132,6 +132,7 @@ struct AttentionJob {
   bool causal;
   int64_t window;  // 0: none
   float* out;
+  int64_t out_head;  // rows between two heads' outputs (M, or a shared buffer's N)
 };
 
 // One (batch, kv head): the M query rows of each of its Hq / Hkv query heads,
@@ -174,8 +175,8 @@ void attend_group(const AttentionJob& j, int64_t bk, std::vector<float>& buf) {
   for (int64_t m = 0; m < j.M; ++m)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t h = hk * G + g;
-      std::memcpy(j.out + (((b * j.Hq + h) * j.M) + m) * j.Dv, out + (m * G + g) * j.Dv,
-                  sizeof(float) * j.Dv);
+      std::memcpy(j.out + (((b * j.Hq + h) * j.out_head) + m) * j.Dv,
+                  out + (m * G + g) * j.Dv, sizeof(float) * j.Dv);
     }
 }
 
@@ -207,6 +208,20 @@ void attend_chunk(void* ctx, int64_t c) {
   thread_local std::vector<float> buf;
   attend_group(*static_cast<AttentionJob*>(ctx), c, buf);
 }
+
+struct SegmentJobs {
+  const AttentionJob* jobs;
+  int64_t groups;  // (kv head) groups per job
+};
+
+void attend_segment_chunk(void* ctx, int64_t c) {
+  thread_local std::vector<float> buf;
+  const auto* j = static_cast<SegmentJobs*>(ctx);
+  attend_group(j->jobs[c / j->groups], c % j->groups, buf);
+}
+
+// Below ~256k multiply-adds a pool hand-off costs more than it saves.
+constexpr int64_t kPoolWork = 1 << 18;
 
 ARBOR_CLONES void rms_row(const float* __restrict x, int64_t H, const float* __restrict w,
                           float eps, float* __restrict out) {
@@ -277,11 +292,26 @@ ARBOR_CLONES void rope_row(const float* __restrict x, float* __restrict out, int
 void attention(View3 q, View3 k, View3 v, int64_t B, int64_t Hq, int64_t Hkv, int64_t M,
                int64_t L, int64_t D, int64_t Dv, float scale, bool causal, int64_t window,
                float* out) {
-  AttentionJob job{q, k, v, Hq, Hkv, M, L, D, Dv, scale, causal, window, out};
+  AttentionJob job{q, k, v, Hq, Hkv, M, L, D, Dv, scale, causal, window, out, M};
   const int64_t groups = B * Hkv;
-  // Below ~256k multiply-adds a pool hand-off costs more than it saves.
   const int64_t work = B * Hq * M * L * (D + Dv);
-  parallel_for(groups, work < (1 << 18) ? 1 : max_threads(), &attend_chunk, &job);
+  parallel_for(groups, work < kPoolWork ? 1 : max_threads(), &attend_chunk, &job);
+}
+
+void attention_segments(const AttentionSegment* segments, int64_t count, int64_t Hq,
+                        int64_t Hkv, int64_t D, int64_t Dv, float scale, bool causal,
+                        int64_t window) {
+  std::vector<AttentionJob> jobs;
+  jobs.reserve(static_cast<size_t>(count));
+  int64_t work = 0;
+  for (int64_t s = 0; s < count; ++s) {
+    const AttentionSegment& g = segments[s];
+    jobs.push_back(AttentionJob{g.q, g.k, g.v, Hq, Hkv, g.M, g.L, D, Dv, scale, causal, window,
+                                g.out, g.out_head});
+    work += Hq * g.M * g.L * (D + Dv);
+  }
+  SegmentJobs job{jobs.data(), Hkv};
+  parallel_for(count * Hkv, work < kPoolWork ? 1 : max_threads(), &attend_segment_chunk, &job);
 }
 
 void causal_softmax(const float* x, int64_t rows, int64_t M, int64_t L, int64_t window,

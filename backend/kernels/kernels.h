@@ -122,6 +122,24 @@ void attention(View3 q, View3 k, View3 v, int64_t B, int64_t Hq, int64_t Hkv, in
                int64_t L, int64_t D, int64_t Dv, float scale, bool causal, int64_t window,
                float* out);
 
+// One sequence of a batched step for attention_segments: its M queries (q, B == 1 rows of
+// heads), its keys and values (L positions), and where its output rows go: row m of head
+// h at out + (h * out_head + m) * Dv (several segments write their rows into one
+// (Hq, N, Dv) buffer: out_head = N, out advanced to the segment's first row).
+struct AttentionSegment {
+  View3 q, k, v;
+  int64_t M, L;
+  float* out;
+  int64_t out_head;
+};
+
+// attention() of every segment (B == 1 each; same heads, head sizes, scale, mask), all
+// their (segment, kv head) groups in one pool hand-off: each group is computed as a
+// one-segment call computes it, so the rows are bit for bit the same.
+void attention_segments(const AttentionSegment* segments, int64_t count, int64_t Hq,
+                        int64_t Hkv, int64_t D, int64_t Dv, float scale, bool causal,
+                        int64_t window);
+
 // Causal softmax of score rows: x (rows, L) where row r is query m = r % M of a
 // block of M queries whose keys end at the last one (query m sees keys
 // 0 .. L - M + m; with window > 0 only the last `window` of those). Masked keys

@@ -262,22 +262,27 @@ class AttentionMlp : public mx::UnaryPrimitive {
           if (x.size() == 0) return;
           const int64_t B = q.shape(0), Hq = q.shape(1), N = q.shape(2), D = q.shape(3);
           const int64_t Hkv = in[3].shape(1);
-          std::vector<char> qs, ks, vs, xs, ws;
-          std::vector<float> attn(q.size()), part;
+          std::vector<char> qs, xs, ws;
+          std::vector<float> attn(q.size());
           const View3 qv = view_of(q, qs);
-          int64_t first = 0;
-          for (size_t s = 0; s < rows.size(); ++s) {
-            const int64_t n = rows[s];
-            // One segment writes attn directly; several (B == 1) go through `part`.
-            float* dest = rows.size() == 1 ? attn.data() : (part.resize(Hq * n * D), part.data());
-            attention(View3{qv.p + first * qv.s2, qv.s0, qv.s1, qv.s2}, view_of(in[3 + 2 * s], ks),
-                      view_of(in[4 + 2 * s], vs), B, Hq, Hkv, n, lengths[s], D, D, a.scale, true,
-                      a.window, dest);
-            if (rows.size() > 1)
-              for (int64_t head = 0; head < Hq; ++head)
-                std::memcpy(attn.data() + (head * N + first) * D, part.data() + head * n * D,
-                            n * D * sizeof(float));
-            first += n;
+          if (rows.size() == 1) {
+            std::vector<char> ks, vs;
+            attention(qv, view_of(in[3], ks), view_of(in[4], vs), B, Hq, Hkv, N, lengths[0], D,
+                      D, a.scale, true, a.window, attn.data());
+          } else {  // several sequences (B == 1): each writes its rows of every head
+            const size_t count = rows.size();
+            std::vector<std::vector<char>> kvs(2 * count);
+            std::vector<AttentionSegment> segs;
+            int64_t first = 0;
+            for (size_t s = 0; s < count; ++s) {
+              segs.push_back(AttentionSegment{
+                  View3{qv.p + first * qv.s2, qv.s0, qv.s1, qv.s2},
+                  view_of(in[3 + 2 * s], kvs[2 * s]), view_of(in[4 + 2 * s], kvs[2 * s + 1]),
+                  rows[s], lengths[s], attn.data() + first * D, N});
+              first += rows[s];
+            }
+            attention_segments(segs.data(), static_cast<int64_t>(count), Hq, Hkv, D, D,
+                               a.scale, true, a.window);
           }
           mlp_rows(in, w, attn.data(), Hq, D, contiguous_floats(x, xs), B, N, x.shape(2),
                    Norm{contiguous_floats(in[2], ws), eps}, out.data<float>());
