@@ -23,3 +23,17 @@ def test_bench_batch_runs_both_servers(tiny_model_dir, tmp_path):
     table = bench_batch.format_table(rows, stalls, costs)
     assert "aggregate" in table and "long prompt" in table and "16: " in table
     assert "longest" in table
+
+
+def test_a_server_too_slow_alone_keeps_only_its_first_row(tiny_model_dir, tmp_path):
+    """A server under ``slowest_tps`` with one client is not run with more (mlx-lm's 4-bit
+    path on a CPU would take hours): one row, no stall test, and the table still prints."""
+    folder = tiny_model_dir("llama")
+    lines = []
+    rows, stalls, costs = bench_batch.run({"float32": folder}, tmp_path, clients=(1, 2),
+                                          new_tokens=4, prompt_words=8, long_words=60,
+                                          max_batch=4, against_mlx_lm=False,
+                                          log=lines.append, slowest_tps=1e12)
+    assert [r.clients for r in rows] == [1] and stalls == []
+    assert any("left out" in line for line in lines)
+    assert "aggregate" in bench_batch.format_table(rows, stalls, costs)
