@@ -359,3 +359,37 @@ def test_rows_are_reduced_alike_whatever_the_row_count(K, dtype, k):
     singles = np.concatenate([np.array(product(x[i:i + 1])) for i in range(16)])
     for m in range(1, 17):
         np.testing.assert_array_equal(np.array(product(x[:m])), singles[:m], err_msg=f"M={m}")
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+X86_64_V3 = {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+X86_64_V4 = X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+def test_vectorized_helpers_run_the_clone_this_cpu_supports(K):
+    """Norms, RoPE, softmax and SwiGLU are compiled three times and one clone is picked at
+    load. It must be picked by the CPU's features: clones named after Intel models
+    (arch=haswell) left every AMD CPU on the baseline clone, at a fraction of the speed."""
+    import json
+    import re
+
+    from backend.kernels.build import INFO_FILE
+
+    compiler = json.loads(INFO_FILE.read_text()).get("compiler", "")
+    gcc = re.search(r"\(.*\) (\d+)\.", compiler)
+    level = K.clone_level()
+    if "clang" in compiler.lower():
+        assert level == "none"
+        return
+    assert level in ("high", "mid", "baseline")
+    if gcc and int(gcc.group(1)) >= 12:  # the x86-64-v4 / v3 levels exist from GCC 12 on
+        flags = _cpu_flags()
+        expected = "high" if X86_64_V4 <= flags else "mid" if X86_64_V3 <= flags else "baseline"
+        assert level == expected, (level, sorted(X86_64_V4 - flags))

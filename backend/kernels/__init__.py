@@ -62,6 +62,7 @@ __all__ = [
     "available",
     "ensure_built",
     "isa",
+    "clone_level",
     "attention",
     "dequantize",
     "gather_linear",
@@ -514,6 +515,14 @@ def isa() -> str | None:
     """Instruction set the kernels run with here ("avx512", "avx2", "generic"), or None."""
     mod = _try_load()
     return mod.isa() if mod is not None else None
+
+
+def clone_level() -> str | None:
+    """Which build of the auto-vectorized helpers (norms, RoPE, softmax, SwiGLU) runs here:
+    "high" (x86-64-v4: AVX-512), "mid" (x86-64-v3: AVX2 + FMA), "baseline", "none" (not
+    cloned), or None without the kernels."""
+    mod = _try_load()
+    return mod.clone_level() if mod is not None else None
 
 
 def set_num_threads(n: int) -> None:

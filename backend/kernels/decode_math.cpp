@@ -21,11 +21,7 @@
 
 #include "kernels.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define ARBOR_CLONES __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
-#else
-#define ARBOR_CLONES
-#endif
+#define ARBOR_CLONES ARBOR_ISA_CLONES
 
 namespace arbor {
 namespace {
@@ -98,30 +94,40 @@ ARBOR_CLONES float exp_shifted(float* __restrict scores, int64_t n, float max) {
   return s;
 }
 
-// out_r[0:Dv] = sum_j p_r[j] * v[j * ldv + 0:Dv] / norm[r] for the R rows that
-// share these values (row r uses values lo[r] .. n[r]-1; n ascending), so each
-// value row is read once for all of them.
+// out_r[0:Dv] = sum_j p_r[j] * v[j * ldv + 0:Dv] / norm[r] for the R rows that share
+// these values (row r uses values lo[r] .. n[r]-1). Each row sums its values in order, a
+// block of BLOCK outputs at a time held in registers (the values, read once per row, come
+// from L1 or L2; writing the sums back after every value cost twice the memory traffic).
 ARBOR_CLONES void weighted_rows(const float* __restrict p, int64_t ldp, int64_t R,
                                 const int64_t* lo, const int64_t* n,
                                 const float* __restrict v, int64_t ldv,
                                 int64_t Dv, const float* norm, float* __restrict out) {
-  for (int64_t i = 0; i < R * Dv; ++i) out[i] = 0.0f;
-  const int64_t vec = Dv / W * W;
-  int64_t first = 0;  // rows before `first` have used all their values
-  for (int64_t j = 0; j < n[R - 1]; ++j) {
-    while (n[first] <= j) ++first;
-    const float* row = v + j * ldv;
-    for (int64_t r = first; r < R; ++r) {
-      if (j < lo[r]) continue;
-      const float pj = p[r * ldp + j];
-      float* o = out + r * Dv;
-      for (int64_t d = 0; d < vec; d += W) store8(o + d, load8(o + d) + pj * load8(row + d));
-      for (int64_t d = vec; d < Dv; ++d) o[d] += pj * row[d];
-    }
-  }
+  constexpr int64_t BLOCK = 8 * W;
   for (int64_t r = 0; r < R; ++r) {
+    const float* pr = p + r * ldp;
+    float* o = out + r * Dv;
     const float inv = 1.0f / norm[r];
-    for (int64_t d = 0; d < Dv; ++d) out[r * Dv + d] *= inv;
+    int64_t d0 = 0;
+    for (; d0 + BLOCK <= Dv; d0 += BLOCK) {
+      vf8 acc[8] = {};
+      for (int64_t j = lo[r]; j < n[r]; ++j) {
+        const float pj = pr[j];
+        const float* row = v + j * ldv + d0;
+        for (int i = 0; i < 8; ++i) acc[i] = acc[i] + pj * load8(row + i * W);
+      }
+      for (int i = 0; i < 8; ++i) store8(o + d0 + i * W, acc[i]);
+    }
+    for (; d0 + W <= Dv; d0 += W) {
+      vf8 acc = {};
+      for (int64_t j = lo[r]; j < n[r]; ++j) acc = acc + pr[j] * load8(v + j * ldv + d0);
+      store8(o + d0, acc);
+    }
+    for (; d0 < Dv; ++d0) {
+      float acc = 0.0f;
+      for (int64_t j = lo[r]; j < n[r]; ++j) acc += pr[j] * v[j * ldv + d0];
+      o[d0] = acc;
+    }
+    for (int64_t d = 0; d < Dv; ++d) o[d] *= inv;
   }
 }
 

@@ -20,17 +20,30 @@
 #include <thread>
 #include <vector>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define ARBOR_DEQUANT_CLONES \
-  __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+// Dequantized values must equal MLX's (scale * q, then + bias, each rounded): no fused
+// multiply-add where the clone's instruction set has one.
+#if defined(__GNUC__) && !defined(__clang__)
+#define ARBOR_DEQUANT_CLONES ARBOR_ISA_CLONES __attribute__((optimize("fp-contract=off")))
 #else
-#define ARBOR_DEQUANT_CLONES
+#define ARBOR_DEQUANT_CLONES ARBOR_ISA_CLONES
 #endif
 
 namespace arbor {
 
 // ---------------------------------------------------------------------------
 // Instruction set selection
+
+// Versions of one function, dispatched like target_clones; callers must see them all, so
+// other files call clone_level(), which calls this here.
+#ifdef ARBOR_CLONE_HIGH
+__attribute__((target(ARBOR_CLONE_HIGH))) static const char* level() { return "high"; }
+__attribute__((target(ARBOR_CLONE_MID))) static const char* level() { return "mid"; }
+__attribute__((target("default"))) static const char* level() { return "baseline"; }
+#else
+static const char* level() { return "none"; }
+#endif
+
+const char* clone_level() { return level(); }
 
 const IsaKernels& best_isa() {
   static const IsaKernels* chosen = [] {
@@ -209,6 +222,16 @@ inline int64_t chunk_rows(int64_t row_cost_bytes, int64_t N) {
   return std::min<int64_t>(rows, std::max<int64_t>(N, 1));
 }
 
+// With several x rows the kernels ask for the weights some rows ahead (kernels_impl.h),
+// which pays only inside long chunks: each thread's share of a small product in one
+// chunk, else chunks of 128 rows.
+constexpr int64_t kPrefetchMinM = 3;
+
+inline int64_t prefetching_chunk_rows(int64_t N) {
+  const int64_t share = (N + max_threads() - 1) / max_threads();
+  return std::max<int64_t>(16, std::min<int64_t>(128, (share + 15) / 16 * 16));
+}
+
 inline int threads_for(int64_t chunks) {
   return static_cast<int>(std::min<int64_t>(max_threads(), chunks));
 }
@@ -317,6 +340,7 @@ void matvec_dense(
   // Cost of a row: its bytes, and more once several x rows make it compute bound.
   int64_t row_cost = K * esize * std::max<int64_t>(1, M / 2);
   int64_t rows = chunk_rows(row_cost, N);
+  if (M >= kPrefetchMinM) rows = prefetching_chunk_rows(N);
   DenseJob job{best_isa().dense_rows[static_cast<int>(wtype)], x, ldx, M, K, w, ldw, N, out, rows};
   int64_t chunks = (N + rows - 1) / rows;
   Pool::get().run(chunks, threads_for(chunks), &dense_chunk, &job);

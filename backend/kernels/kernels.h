@@ -9,6 +9,24 @@
 
 #include <cstdint>
 
+// Functions compiled three times (AVX-512, AVX2 + FMA, baseline x86-64), one picked when the
+// library loads. The clones must be chosen by the CPU's features: GCC picks `arch=<model>`
+// clones (skylake-avx512, haswell) by CPU model, so every AMD CPU ran the baseline clone;
+// the x86-64-v4 / v3 levels (GCC 12 on) are picked by features. clone_level() is built from
+// the same targets and says which one a CPU gets.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define ARBOR_CLONE_HIGH "arch=x86-64-v4"
+#define ARBOR_CLONE_MID "arch=x86-64-v3"
+#elif defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ARBOR_CLONE_HIGH "arch=skylake-avx512"
+#define ARBOR_CLONE_MID "arch=haswell"
+#endif
+#ifdef ARBOR_CLONE_HIGH
+#define ARBOR_ISA_CLONES __attribute__((target_clones(ARBOR_CLONE_HIGH, ARBOR_CLONE_MID, "default")))
+#else
+#define ARBOR_ISA_CLONES
+#endif
+
 namespace arbor {
 
 // Storage of dense weights. 16-bit values are passed as their raw bits.
@@ -64,6 +82,10 @@ const IsaKernels& isa_avx512();
 // The best kernel set this CPU supports (overridable with ARBOR_MATVEC_ISA=generic|avx2|avx512).
 // AVX2 also requires FMA and F16C.
 const IsaKernels& best_isa();
+
+// Which of the ARBOR_ISA_CLONES targets this CPU runs: "high" (AVX-512), "mid" (AVX2 + FMA),
+// "baseline", or "none" where the functions are not cloned.
+const char* clone_level();
 
 // Thread count used for large products (ARBOR_MATVEC_THREADS, else usable cores).
 int max_threads();

@@ -19,6 +19,9 @@ struct V {
   static constexpr int MT_F32 = 4;
   static constexpr int U_F32 = 2;
   static constexpr int MT_Q = 2;  // two x rows share each pass over a weight row
+  // No wide dense tiles: 16 registers cannot hold their 16 accumulators, and with
+  // prefetching the one-row tiles do as well at 8-16 rows (measured).
+  static constexpr int WIDE_M = 0;
   static inline R zero() { return _mm256_setzero_ps(); }
   static inline R load(const float* p) { return _mm256_loadu_ps(p); }
   static inline R load_n(const float* p, int n) {

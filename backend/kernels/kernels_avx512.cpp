@@ -15,6 +15,9 @@ struct V {
   static constexpr int MT_F32 = 4;
   static constexpr int U_F32 = 4;
   static constexpr int MT_Q = 2;
+  // From 12 x rows, dense tiles of 4 weight rows (32 registers hold their 16 accumulators;
+  // at 8 rows the prefetched one-row tiles were as fast).
+  static constexpr int WIDE_M = 12;
   static inline R zero() { return _mm512_setzero_ps(); }
   static inline R load(const float* p) { return _mm512_loadu_ps(p); }
   static inline R load_n(const float* p, int n) {

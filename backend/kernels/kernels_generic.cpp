@@ -9,6 +9,7 @@ struct V {
   static constexpr int MT_F32 = 4;
   static constexpr int U_F32 = 4;
   static constexpr int MT_Q = 2;
+  static constexpr int WIDE_M = 0;
   static inline R zero() { return 0.0f; }
   static inline R load(const float* p) { return *p; }
   static inline R load_n(const float* p, int n) { return n > 0 ? *p : 0.0f; }

@@ -377,6 +377,8 @@ NB_MODULE(_arbor_kernels, m) {
         nb::arg("group_size"), nb::arg("bits"),
         "gather_matvec for stacked weights in MLX's affine layout: uint32 wq (E, N, K*bits/32), "
         "float32 scales and biases (E, N, K/group_size), bits 4 or 8.");
+  m.def("clone_level", [] { return std::string(arbor::clone_level()); },
+        "Which clone of the vectorized helpers this CPU runs (high, mid, baseline, none).");
   m.def("isa", [] { return std::string(arbor::best_isa().name); },
         "Instruction set the kernels use on this CPU.");
   m.def("max_threads", &arbor::max_threads, "Threads a large product may use.");
