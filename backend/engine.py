@@ -47,7 +47,7 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from backend import context_policy
+from backend import context_policy, kernels
 from backend.api import CacheStats, DoneEvent, GenerateRequest, ModelInfo, TokenEvent
 from backend.context_policy import ContextFit
 from backend.errors import ContextLengthError, InvalidRequestError, ModelLoadError
@@ -89,7 +89,12 @@ def _fingerprint(loaded: LoadedModel, memo: Path) -> str:
     folder = Path(loaded.folder)
     return model_fingerprint(folder, weight_files(folder),
                              str(loaded.dtype).replace("mlx.core.", ""),
-                             "kernels" if loaded.cpu_kernels else "mlx", memo_file=memo)
+                             _compute_path(loaded.cpu_kernels), memo_file=memo)
+
+
+def _compute_path(cpu_kernels: bool) -> str:
+    """How the model's numbers are computed (the disk tier never mixes two ways)."""
+    return f"kernels-{kernels.numerics()}" if cpu_kernels else "mlx"
 
 
 class Lane:

@@ -63,6 +63,7 @@ __all__ = [
     "ensure_built",
     "isa",
     "clone_level",
+    "numerics",
     "attention",
     "dequantize",
     "gather_linear",
@@ -515,6 +516,21 @@ def isa() -> str | None:
     """Instruction set the kernels run with here ("avx512", "avx2", "generic"), or None."""
     mod = _try_load()
     return mod.isa() if mod is not None else None
+
+
+#: Bumped whenever a change makes the kernels' results differ in any bit (a reduction order,
+#: which clone runs). The prefix cache's disk tier keys its states by ``numerics()``, so a
+#: state computed another way is never restored into this one.
+NUMERICS_VERSION = 2
+
+
+def numerics() -> str | None:
+    """What the kernels' results depend on here: instruction set, clone level and
+    ``NUMERICS_VERSION`` (None without the kernels)."""
+    mod = _try_load()
+    if mod is None:
+        return None
+    return f"{mod.isa()}-{mod.clone_level()}-n{NUMERICS_VERSION}"
 
 
 def clone_level() -> str | None:
