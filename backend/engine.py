@@ -78,7 +78,7 @@ PREFILL_CHUNK = 2048
 # prompt row computes alike however the prompt is cut (a restored prefix, another request's
 # prefill that stored it, a batch): a reply from a cached prefix equals a cold start's, bit for
 # bit. It costs prefill speed (``arbor bench`` prints how much), so it is an option.
-EXACT_PREFILL_CHUNK = 16
+EXACT_PREFILL_CHUNK = kernels.MAX_KERNEL_ROWS
 MAX_DRAFT = 8  # most draft tokens per verify round (verify blocks of up to 16 are exact)
 SPECULATION_CHOICES = ("auto", "model", "mtp", "dflash", "lookup", "none")
 

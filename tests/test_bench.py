@@ -4,6 +4,7 @@ import mlx.core as mx
 import pytest
 
 from backend.bench.speed import write_variant
+from backend.engine import EXACT_PREFILL_CHUNK
 from backend.weights.loading import load_model
 from backend.weights.store import import_hf_folder
 
@@ -59,4 +60,5 @@ def test_bench_runs_both_engines_on_a_tiny_model(tiny_model_dir, tmp_path):
     assert all(r.prefill_tps > 0 and r.decode_tps > 0 and r.weight_bytes > 0 for r in rows)
     table = bench.format_table(rows, bandwidth_gbs=10.0)
     assert "ratio arbor/mlx-lm" in table and "4bit" in table
-    assert "exact prefill (16-token chunks, cached == cold) costs prefill" in table
+    assert (f"exact prefill ({EXACT_PREFILL_CHUNK}-token chunks, cached == cold) costs prefill"
+            in table)

@@ -66,8 +66,9 @@ def test_attention_softmax_is_stable_for_large_scores(K):
 
 
 def test_attention_falls_back_when_it_does_not_apply(K):
-    q = mx.random.normal((1, 2, 17, 16))  # more queries than a decode/verify block
-    k = v = mx.random.normal((1, 2, 20, 16))
+    n = K.MAX_ATTENTION_QUERIES + 1  # more queries than the kernels take (a long prefill chunk)
+    q = mx.random.normal((1, 2, n, 16))
+    k = v = mx.random.normal((1, 2, n + 3, 16))
     assert K.attention(q, k, v, 0.25, True) is None
     assert K.attention(q[:, :, :1].astype(mx.bfloat16), k.astype(mx.bfloat16),
                        v.astype(mx.bfloat16), 0.25, False) is None

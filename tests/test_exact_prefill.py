@@ -32,7 +32,9 @@ def reply(engine, request) -> tuple[list[int], list[float], int]:
     return [t.token_id for t in tokens], [t.logprob for t in tokens], done.cached_tokens
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["llama", "mistral-window", "qwen3", "gemma3", "qwen3_next",
+                                  "qwen3_moe", "qwen3_5_moe-4bit", "gemma4-moe",
+                                  "glm4_moe_lite-4bit"])
 def test_a_reply_from_a_cached_prefix_equals_a_cold_start(kind, tiny_model_dir):
     folder = str(tiny_model_dir(kind))
     warm = Engine.load(folder, cache=CacheConfig.memory_only(), exact_prefill=True)

@@ -82,7 +82,8 @@ def test_decode_takes_the_fused_path_and_prefill_does_not(case, tiny_model_dir, 
     real = native_kernels.attention_mlp
     monkeypatch.setattr(native_kernels, "attention_mlp", lambda *a: calls.append(1) or real(*a))
     caches = model.make_caches()
-    mx.eval(model.hidden(mx.array([list(range(3, 20))]), caches))  # 17 rows
+    rows = native_kernels.MAX_KERNEL_ROWS + 1
+    mx.eval(model.hidden(mx.array([[3 + t % 40 for t in range(rows)]]), caches))
     assert calls == []
     mx.eval(model.hidden(mx.array([[5]]), caches))
     assert len(calls) == len(model.model.layers)

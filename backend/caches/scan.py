@@ -29,15 +29,18 @@ from typing import Sequence
 
 import mlx.core as mx
 
+from backend import kernels
+
 #: Tokens per chunk of the parallel form. 64 is the usual choice (FLA, transformers): large
 #: enough that the per-chunk matmuls amortise their launch cost, small enough that the intra-
 #: chunk C x C work stays below the state work.
 CHUNK = 64
 
-#: Writes of at most this many tokens use the per-token recurrence (decode, verify blocks): the
-#: same compiled step as one-token writes, so a verify block's states and outputs equal
-#: decode steps bit for bit (the chunked form reduces in another order).
-RECURRENT_MAX_TOKENS = 16
+#: Writes of at most this many tokens use the per-token recurrence (decode, verify blocks,
+#: exact-prefill chunks: as many rows as the row-invariant kernels take): the same compiled
+#: step as one-token writes, so their states and outputs equal decode steps bit for bit (the
+#: chunked form reduces in another order).
+RECURRENT_MAX_TOKENS = kernels.MAX_KERNEL_ROWS
 
 #: Writes of at least this many tokens split a layer's heads over ``CPU_STREAMS`` streams.
 PARALLEL_MIN_TOKENS = 64

@@ -201,14 +201,14 @@ def matvec_q(x: Any, wq: Any, scales: Any, biases: Any, group_size: int = 64, bi
     return _mod().matvec_q(x, wq, scales, biases, int(group_size), int(bits), bool(int8_inputs))
 
 
-#: Most rows of x (product of its leading dims) that ``linear`` sends to the kernel. Up to
-#: here every row is reduced exactly as a one-row product would be, so a speculative verify
-#: block (the current token and up to 15 drafts) gives bit for bit the logits of decode steps.
-MAX_KERNEL_ROWS = 16
-
-#: The same for ``quantized_linear``: its alternative first dequantizes the whole matrix, so
-#: the kernel stays ahead for longer (measured crossover ~32 rows for a 1536 x 576 4-bit matrix).
-MAX_QUANTIZED_KERNEL_ROWS = 32
+#: Most rows (tokens: the product of the leading dims) that the few-row ops send to the
+#: kernels: ``linear``, ``quantized_linear``, ``attention`` (queries per head), ``rms_norm``,
+#: ``rope`` and the fused layer blocks. The kernels reduce every row exactly as a one-row call
+#: would, so anything up to here (a verify block, a batched step, an exact-prefill chunk)
+#: computes each row bit for bit as a decode step does; more rows go to MLX (BLAS), faster
+#: for long prefill chunks but rounded otherwise. 64: past it a 4x4-tiled product gains
+#: little, and an exact-prefill chunk of 64 rows prefills at 0.8-1.0x BLAS's speed.
+MAX_KERNEL_ROWS = 64
 
 #: The affine layouts ``matvec_q`` / ``dequantize`` (and the fused blocks) take: 4- or 8-bit
 #: codes in groups of 32, 64 or 128, and 8-bit codes in groups of 16 (``quantized_layout_supported``).
@@ -280,7 +280,7 @@ def quantized_linear(
 ) -> Any:
     """``mx.quantized_matmul(x, wq, scales, biases, transpose=True, ...)``, through the
     native kernel when it applies (float32 x/scales/biases, ``quantized_layout_supported``, at
-    most MAX_QUANTIZED_KERNEL_ROWS rows, CPU device); otherwise ``dequantize`` + matmul (more
+    most MAX_KERNEL_ROWS rows, CPU device); otherwise ``dequantize`` + matmul (more
     rows, or groups MLX does not multiply by), or MLX's own product.
 
     ``int8_inputs`` (4-bit weights in groups of 64 or 128, see ``int8_inputs_supported``): the
@@ -295,7 +295,7 @@ def quantized_linear(
         and scales.dtype == mx.float32
         and biases is not None
         and biases.dtype == mx.float32
-        and _rows(x) <= MAX_QUANTIZED_KERNEL_ROWS
+        and _rows(x) <= MAX_KERNEL_ROWS
         and available()
         and _on_cpu()
     ):
@@ -305,7 +305,7 @@ def quantized_linear(
         except ValueError:
             pass  # shapes MLX may still accept (or reject with its own message)
     if biases is not None and (group_size not in MLX_MATMUL_GROUP_SIZES or (
-            x.dtype == mx.float32 and _rows(x) > MAX_QUANTIZED_KERNEL_ROWS)):
+            x.dtype == mx.float32 and _rows(x) > MAX_KERNEL_ROWS)):
         return x @ dequantize(wq, scales, biases, group_size, bits).astype(x.dtype).T
     return mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group_size, bits=bits)
 
@@ -330,13 +330,16 @@ def dequantize(wq: Any, scales: Any, biases: Any, group_size: int = 64, bits: in
     return mx.dequantize(wq, scales, biases, group_size, bits).astype(mx.float32)
 
 
-#: Most query rows per head that ``attention`` sends to the kernel (decode, verify blocks);
-#: each query is reduced over exactly its visible keys, as a one-query call would.
-MAX_ATTENTION_QUERIES = 16
+#: Most query rows per head that ``attention`` sends to the kernel (decode, verify blocks,
+#: exact-prefill chunks); each query is reduced over exactly its visible keys, as a one-query
+#: call would.
+MAX_ATTENTION_QUERIES = MAX_KERNEL_ROWS
 
-#: Largest input (elements) ``rms_norm`` / ``rope`` send to the kernels: decode-sized work,
-#: where MLX's composed CPU fallbacks cost a dispatch per op. Prefill keeps MLX.
-MAX_NORM_ELEMENTS = 1 << 16
+#: Largest input (elements) ``rms_norm`` / ``rope`` send to the kernels: MAX_KERNEL_ROWS
+#: tokens of up to 8192 features each (a hidden state, or all heads of a query), so every
+#: chunk the other kernels take runs its norms and rotations alike too (a norm over heads sees
+#: tokens x heads rows; only elements tell tokens apart from heads). Longer prefill keeps MLX.
+MAX_NORM_ELEMENTS = MAX_KERNEL_ROWS * 8192
 
 
 def _f32_on_cpu(*arrays: Any) -> bool:
@@ -370,7 +373,8 @@ def causal_softmax(scores: Any, window: int | None = None) -> Any | None:
 
 
 def rms_norm(x: Any, weight: Any | None, eps: float) -> Any:
-    """``mx.fast.rms_norm(x, weight, eps)``; decode-sized float32 work goes to the kernel."""
+    """``mx.fast.rms_norm(x, weight, eps)``; float32 inputs up to MAX_NORM_ELEMENTS go to the
+    kernel (a row's norm must not depend on how many rows came with it)."""
     import mlx.core as mx
 
     if x.size <= MAX_NORM_ELEMENTS and x.ndim >= 1 and _f32_on_cpu(

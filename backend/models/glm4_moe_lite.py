@@ -70,9 +70,9 @@ from backend.models.rope import RoPE, RopeSettings, rope_settings
 MODEL_TYPES = ("glm4_moe_lite",)
 
 #: Writes of at most this many tokens attend in the absorbed form; longer ones expand the
-#: latents into per-head keys and values. At least ``kernels.MAX_ATTENTION_QUERIES``, so decode
-#: steps and verify blocks are alike row by row.
-ABSORBED_MAX_QUERIES = 16
+#: latents into per-head keys and values. As many as ``kernels.MAX_ATTENTION_QUERIES``, so decode
+#: steps, verify blocks and exact-prefill chunks are alike row by row.
+ABSORBED_MAX_QUERIES = kernels.MAX_ATTENTION_QUERIES
 
 DENSE, SPARSE = "dense", "sparse"
 

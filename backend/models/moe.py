@@ -41,8 +41,9 @@ from backend.models.layers import ACTIVATIONS, GatedMLP
 #: (one sync per MoE layer per prefill chunk).
 GROUPED_PAIRS_PER_EXPERT = 2
 
-#: Writes of at most this many tokens always take the per-pair path (see SwitchGLU).
-VERIFY_ROWS = 16
+#: Writes of at most this many tokens always take the per-pair path (see SwitchGLU): as many
+#: as the row-invariant kernels take, so exact-prefill chunks compute like decode steps too.
+VERIFY_ROWS = kernels.MAX_KERNEL_ROWS
 
 
 def _pairs(x: mx.array, indices: mx.array) -> tuple[mx.array, mx.array]:
