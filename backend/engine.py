@@ -266,6 +266,20 @@ class Engine:
         return self.prefill_chunk or PREFILL_CHUNK
 
     @property
+    def exact_prefill(self) -> bool:
+        """Whether prompts prefill in chunks the row-invariant kernels take whole (then how a
+        prompt is cut changes no bit of its states)."""
+        return self.loaded.cpu_kernels and self.chunk_size <= kernels.MAX_KERNEL_ROWS
+
+    def prefill_rows(self, sequence: Sequence) -> int:
+        """Prompt tokens ``sequence`` feeds next: ``chunk_size``; with exact prefill, fewer
+        while others decode beside it (``Scheduler.prefill_rows_beside``), so their tokens do
+        not wait behind a long prompt. Without it a prompt's cut must depend on the request
+        alone, or its states (and reply) would depend on what else runs."""
+        beside = self.scheduler.prefill_rows_beside(sequence) if self.exact_prefill else None
+        return self.chunk_size if beside is None else min(self.chunk_size, beside)
+
+    @property
     def max_batch(self) -> int:
         return self.scheduler.max_batch
 

@@ -29,12 +29,20 @@ from typing import Callable, Generator
 
 import mlx.core as mx
 
+from backend import kernels
 from backend.api import DoneEvent, TokenEvent
 from backend.caches.segments import layer_segments
 from backend.feeds import Answer, Feed
 
 #: Most rows one batched forward takes (the native kernels are row-invariant up to this many).
-MAX_GROUP_ROWS = 16
+MAX_GROUP_ROWS = kernels.MAX_KERNEL_ROWS
+
+#: Rows a step gives prefilling beside sequences that decode, when how a prompt is cut changes
+#: no bit (exact prefill): their next tokens wait for the whole step, and a step's cost grows
+#: with its rows, so a long prompt arriving mid-stream is fed in small chunks between their
+#: tokens (decode rows first, a prefilling sequence at least ``MIN_PREFILL_ROWS``).
+STEP_ROWS = 16
+MIN_PREFILL_ROWS = 4
 
 Event = TokenEvent | DoneEvent
 
@@ -89,9 +97,17 @@ class Scheduler:
 
     def counts(self) -> tuple[int, int, int]:
         """(running, of them still prefilling, waiting)."""
-        prefilling = sum(1 for r in self.running if r.feed is not None and r.feed.rows > 1
-                         and r.feed.logits == "none")
+        prefilling = sum(1 for r in self.running if r.sequence.prefilling)
         return len(self.running), prefilling, len(self.waiting)
+
+    def prefill_rows_beside(self, sequence) -> int | None:
+        """Rows ``sequence`` may prefill in this step when others decode beside it (None: no
+        one decodes, the whole chunk)."""
+        decoding = sum(1 for r in self.running
+                       if r.sequence is not sequence and not r.sequence.prefilling)
+        if not decoding:
+            return None
+        return max(MIN_PREFILL_ROWS, STEP_ROWS - decoding)
 
     @property
     def busy(self) -> bool:
@@ -129,12 +145,19 @@ class Scheduler:
         whether anything is left to do."""
         self._admit()
         for run in list(self.running):
-            self._advance(run)
+            if run.feed is None:  # else its feed waits from the step before
+                self._advance(run)
         feeds = [run for run in self.running if run.feed is not None]
         self._share([run.feed for run in feeds])
         for group in self._groups(feeds):
             for run, answer in zip(group, self.answer([r.feed for r in group])):
                 run.answer, run.feed = answer, None
+        # Each answer is taken at once: a reply's token comes out in the step that computed
+        # it. Otherwise a decoding sequence would spend every other step only emitting, and a
+        # prefill chunk running beside it would take both steps' time per token.
+        for run in feeds:
+            if run in self.running:
+                self._advance(run)
         self.steps += 1
         return self.busy
 

@@ -57,6 +57,7 @@ class Sequence:
         self.held: list[int] = []  # the ids the lane's live caches hold, at every yield
         self.dropped_messages = 0  # old messages the context-overflow policy left out
         self.read_ahead = False  # its stored prefix was read from disk while it waited
+        self.prefilling = True  # until its prompt's last token is fed
 
     def cancelled(self) -> bool:
         return self.cancel is not None and self.cancel.is_set()
@@ -167,15 +168,18 @@ class Sequence:
     def _prefill(self, start: int) -> Generator[Feed, Answer, "mx.array | None"]:
         """Feed ``prompt[start:]``; logits (vocab,) of the last token, None if cancelled."""
         prompt = self.prompt
-        chunk_size = self.engine.chunk_size
-        for begin in range(start, len(prompt) - 1, chunk_size):
+        begin = start
+        while begin < len(prompt) - 1:
             if self.cancelled():
                 return None
-            yield from self._feed(prompt[begin:min(begin + chunk_size, len(prompt) - 1)])
+            end = min(begin + self.engine.prefill_rows(self), len(prompt) - 1)
+            yield from self._feed(prompt[begin:end])
+            begin = end
         if self.cancelled():
             return None
         _, logits = yield from self._forward(mx.array(prompt[-1:]), "last")
         self.held.append(prompt[-1])
+        self.prefilling = False
         return logits[-1]
 
     def _forward(self, ids: mx.array, logits: str) -> Generator[Feed, Answer, Answer]:

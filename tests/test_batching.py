@@ -45,9 +45,9 @@ def events_reply(events) -> tuple[list[int], list[float], str]:
     return ids, lps, done[0].finish_reason if done else ""
 
 
-def solo_replies(folder, requests) -> list[tuple]:
+def solo_replies(folder, requests, prefill_chunk: int = EXACT_CHUNK) -> list[tuple]:
     engine = Engine.load(str(folder), cache=CacheConfig(CacheBudgets(0, 0, 0), None),
-                         prefill_chunk=EXACT_CHUNK)
+                         prefill_chunk=prefill_chunk)
     return [events_reply(list(engine.generate(r))) for r in requests]
 
 
@@ -197,3 +197,54 @@ def test_a_queued_request_has_its_stored_prefix_read_from_disk_while_it_waits(
 
     cold = Engine.load(folder, cache=on_disk, prefill_chunk=EXACT_CHUNK)
     assert events_reply(replies) == events_reply(list(cold.generate(resumed)))
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_long_prompt_arriving_mid_stream_is_fed_between_the_others_tokens(
+        exact, tiny_model_dir, monkeypatch):
+    """With exact prefill (chunks of at most ``MAX_KERNEL_ROWS``, cut anywhere without changing
+    a bit) a long prompt that arrives while two replies stream is fed a few rows per step
+    (``scheduler.STEP_ROWS`` minus the decoding rows), so the two get a token every step; every
+    reply still equals its solo reply. Without exact prefill its cut depends on the request
+    alone: one whole chunk, and the two wait for it."""
+    from backend import kernels, scheduler
+
+    folder = tiny_model_dir("llama")
+    chunk = kernels.MAX_KERNEL_ROWS if exact else 2048
+    engine = Engine.load(str(folder), cache=CacheConfig.memory_only(), prefill_chunk=chunk,
+                         max_batch=3)
+    vocab = engine.model.args.vocab_size
+    short = [GenerateRequest(prompt_ids=[5 + i, 9, 11], max_tokens=40, ignore_eos=True,
+                             logprobs=True, draft="none") for i in range(2)]
+    long = GenerateRequest(prompt_ids=[3 + (7 * t) % (vocab - 4) for t in range(150)],
+                           max_tokens=3, ignore_eos=True, logprobs=True, draft="none")
+    expected = solo_replies(folder, short + [long], chunk)
+    fed: list[list[int]] = []
+    answer = engine.scheduler.answer
+    monkeypatch.setattr(engine.scheduler, "answer",
+                        lambda feeds: fed[-1].extend(f.rows for f in feeds) or answer(feeds))
+    streams = [engine.submit(r) for r in short]
+    events: list[list] = [[], [], []]
+    tokens_per_step = []  # (tokens of the two short replies, whether the long one prefills)
+    while engine.scheduler.busy or len(streams) < 3:
+        if len(streams) < 3 and len(events[0]) >= 3:
+            streams.append(engine.submit(long))
+        fed.append([])
+        engine.step()
+        got = []
+        for i, stream in enumerate(streams):
+            got.append(len(stream.events))
+            events[i] += stream.events
+            stream.events.clear()
+        prefilling = len(streams) == 3 and not any(
+            isinstance(e, TokenEvent) for e in events[2])
+        tokens_per_step.append((got[0] + got[1], prefilling))
+    for i in range(3):
+        assert events_reply(events[i]) == expected[i], i
+    long_chunks = [n for rows in fed for n in rows if n > 1]
+    if exact:
+        assert max(long_chunks) <= scheduler.STEP_ROWS - 2
+        during = [n for n, prefilling in tokens_per_step if prefilling]
+        assert len(during) > 5 and all(n == 2 for n in during[1:])  # a token each, every step
+    else:
+        assert 149 in long_chunks  # one whole chunk
