@@ -44,9 +44,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--exact-prefill", action="store_true",
-                   help="prefill in 16-token chunks through the row-invariant kernels, so a "
-                   "reply from a cached prefix equals a cold start's bit for bit (slower "
-                   "prefill: `arbor bench` prints the cost)")
+                   help="prefill in 64-token chunks through the row-invariant kernels, so a "
+                   "reply from a cached prefix equals a cold start's bit for bit and a long "
+                   "prompt is fed between other replies' tokens (slower prefill of long "
+                   "prompts: `arbor bench` prints the cost; bench batch and cache pass it to "
+                   "the server)")
 
 
 def _draft_args(p: argparse.ArgumentParser) -> None:
@@ -72,8 +74,8 @@ def _engine(args: argparse.Namespace, cache=None, max_batch: int = 1):
                        max_batch=max_batch, exact_prefill=getattr(args, "exact_prefill", False))
 
 
-# Requests `arbor serve` runs together: up to 16 rows per batched step (the kernels' exact
-# limit), so 8 single-row decodes leave room for a few draft rows.
+# Requests `arbor serve` runs together: each step's rows cost time (a CPU computes every row),
+# so 8 replies at once keep each one's stream near a third of its speed alone.
 DEFAULT_MAX_BATCH = 8
 
 
@@ -465,7 +467,8 @@ def _bench_batch(args: argparse.Namespace, source: Path, work: Path) -> int:
     clients = tuple(int(n) for n in args.clients.split(",") if n)
     rows, stalls, costs = bench_batch.run(
         variants, work, clients, new_tokens=args.new_tokens or 64,
-        against_mlx_lm=args.against == "mlx-lm", log=lambda m: print(m, file=sys.stderr))
+        against_mlx_lm=args.against == "mlx-lm", log=lambda m: print(m, file=sys.stderr),
+        arbor_args=["--exact-prefill"] if args.exact_prefill else [])
     print(bench_batch.format_table(rows, stalls, costs))
     return 0
 
@@ -545,6 +548,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      log=lambda m: print(m, file=sys.stderr))
     print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy")
     print(bench.format_table(rows, bench.memory_bandwidth_gbs()))
+    print(f"[{formats[0]}] exact prefill by prompt length ...", file=sys.stderr)
+    costs = bench.exact_prefill_costs(work / f"{Path(source).name}-{formats[0]}")
+    print(bench.format_exact_costs(costs))
     for family in hybrid:
         rows = bench_hybrid.run_hybrid_bench(family=family)
         print(bench_hybrid.describe(family))
@@ -620,6 +626,9 @@ def _bench_cache(args: argparse.Namespace, source: Path, work: Path) -> int:
     if args.no_disk_cache:
         flags.append("--no-disk-cache")
         label.append("no disk")
+    if args.exact_prefill:
+        flags.append("--exact-prefill")
+        label.append("exact prefill")
     runs = [(", ".join(label) or "default budgets", flags)]
     if args.with_defaults and flags:
         runs.append(("default budgets", []))

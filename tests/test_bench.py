@@ -55,10 +55,13 @@ def test_bench_runs_both_engines_on_a_tiny_model(tiny_model_dir, tmp_path):
     rows = bench.run(tiny_model_dir("llama"), tmp_path, formats=("float32", "4bit"),
                      prompt_tokens=24, new_tokens=6, log=lambda _m: None)
     assert [(r.fmt, r.engine) for r in rows] == [
-        ("float32", "arbor"), ("float32", bench.EXACT), ("float32", "mlx-lm"),
-        ("4bit", "arbor"), ("4bit", "mlx-lm")]
+        ("float32", "arbor"), ("float32", "mlx-lm"), ("4bit", "arbor"), ("4bit", "mlx-lm")]
     assert all(r.prefill_tps > 0 and r.decode_tps > 0 and r.weight_bytes > 0 for r in rows)
     table = bench.format_table(rows, bandwidth_gbs=10.0)
     assert "ratio arbor/mlx-lm" in table and "4bit" in table
-    assert (f"exact prefill ({EXACT_PREFILL_CHUNK}-token chunks, cached == cold) costs prefill"
-            in table)
+    costs = bench.exact_prefill_costs(tmp_path / f"{tiny_model_dir('llama').name}-float32",
+                                      lengths=(20, 90), repeats=1)
+    assert [n for n, _, _ in costs] == [20, 90]
+    assert all(plain > 0 and exact > 0 for _, plain, exact in costs)
+    table = bench.format_exact_costs(costs)
+    assert f"exact prefill ({EXACT_PREFILL_CHUNK}-token chunks" in table and "90 tokens" in table

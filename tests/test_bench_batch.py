@@ -33,7 +33,9 @@ def test_a_server_too_slow_alone_keeps_only_its_first_row(tiny_model_dir, tmp_pa
     rows, stalls, costs = bench_batch.run({"float32": folder}, tmp_path, clients=(1, 2),
                                           new_tokens=4, prompt_words=8, long_words=60,
                                           max_batch=4, against_mlx_lm=False,
-                                          log=lines.append, slowest_tps=1e12)
+                                          log=lines.append, slowest_tps=1e12,
+                                          arbor_args=["--exact-prefill"])
     assert [r.clients for r in rows] == [1] and stalls == []
+    assert "--exact-prefill" in rows[0].server  # the flag reached the server (it started)
     assert any("left out" in line for line in lines)
     assert "aggregate" in bench_batch.format_table(rows, stalls, costs)

@@ -189,9 +189,11 @@ def step_costs(folder: Path, rows: range = range(1, 17), context: int = 300,
     return out
 
 
-def servers(folder: Path, work: Path, max_batch: int, against_mlx_lm: bool) -> list[Server]:
-    made = [arbor_server(folder, f"arbor serve (--max-batch {max_batch})",
-                         ["--max-batch", str(max_batch), "--no-disk-cache"], work / "cache")]
+def servers(folder: Path, work: Path, max_batch: int, against_mlx_lm: bool,
+            arbor_args: list[str] = ()) -> list[Server]:
+    flags = ["--max-batch", str(max_batch), *arbor_args]
+    made = [arbor_server(folder, f"arbor serve ({' '.join(flags)})",
+                         flags + ["--no-disk-cache"], work / "cache")]
     if against_mlx_lm:
         mlx = mlx_lm_server(folder, 10)
         mlx.argv += ["--decode-concurrency", "32", "--prompt-concurrency", "8"]
@@ -208,14 +210,15 @@ SLOWEST_TPS = 2.0
 def run(variants: dict[str, Path], work: Path, clients: tuple[int, ...] = CLIENTS,
         new_tokens: int = 64, prompt_words: int = 60, long_words: int = 3000,
         max_batch: int = 16, against_mlx_lm: bool = True,
-        log: Callable[[str], None] = print, slowest_tps: float = SLOWEST_TPS
-        ) -> tuple[list[Row], list[Stall], list]:
-    """``variants``: weight format -> model folder. Returns the rows, the stall tests and the
-    step costs (of the first variant). A server under ``slowest_tps`` with the first client
-    count keeps only that row (no stall test)."""
+        log: Callable[[str], None] = print, slowest_tps: float = SLOWEST_TPS,
+        arbor_args: list[str] = ()) -> tuple[list[Row], list[Stall], list]:
+    """``variants``: weight format -> model folder; ``arbor_args``: more ``arbor serve``
+    flags (``--exact-prefill``). Returns the rows, the stall tests and the step costs (of the
+    first variant). A server under ``slowest_tps`` with the first client count keeps only
+    that row (no stall test)."""
     rows, stalls = [], []
     for weights, folder in variants.items():
-        for server in servers(folder, work, max_batch, against_mlx_lm):
+        for server in servers(folder, work, max_batch, against_mlx_lm, list(arbor_args)):
             log(f"{server.name}, {weights}: starting")
             server.start()
             try:
@@ -239,20 +242,20 @@ def run(variants: dict[str, Path], work: Path, clients: tuple[int, ...] = CLIENT
 
 
 def format_table(rows: list[Row], stalls: list[Stall], costs: list[tuple[int, float]]) -> str:
-    lines = [f"{'server':42} {'weights':8} {'clients':>7} {'aggregate':>10} {'x1':>6} "
+    lines = [f"{'server':50} {'weights':8} {'clients':>7} {'aggregate':>10} {'x1':>6} "
              f"{'per client':>10} {'TTFT p50':>9} {'TTFT p95':>9} {'gap p95':>8}"]
     base = {}
     for r in rows:
         if r.clients == 1:
             base[(r.server, r.weights)] = r.aggregate_tps
         ratio = r.aggregate_tps / base.get((r.server, r.weights), r.aggregate_tps)
-        lines.append(f"{r.server:42} {r.weights:8} {r.clients:>7} {r.aggregate_tps:>7.1f} t/s "
+        lines.append(f"{r.server:50} {r.weights:8} {r.clients:>7} {r.aggregate_tps:>7.1f} t/s "
                      f"{ratio:>5.2f}x {r.client_tps:>6.1f} t/s {r.ttft_p50:>8.2f}s "
                      f"{r.ttft_p95:>8.2f}s {1000 * r.gap_p95:>6.0f}ms")
     lines.append("")
     lines.append("a long prompt arriving while 4 clients stream (their inter-token gaps):")
     for st in stalls:
-        lines.append(f"  {st.server:42} {st.weights:8} median {1000 * st.median:.0f} ms, p95 "
+        lines.append(f"  {st.server:50} {st.weights:8} median {1000 * st.median:.0f} ms, p95 "
                      f"{1000 * st.p95:.0f} ms ({st.p95 / st.median:.2f}x), longest "
                      f"{1000 * st.longest:.0f} ms ({st.longest / st.median:.1f}x), the long "
                      f"prompt's TTFT {st.long_ttft:.1f} s")

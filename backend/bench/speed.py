@@ -38,7 +38,6 @@ from backend.weights.loading import load_model
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "generation_config.json", "special_tokens_map.json")
 FORMATS = ("float32", "bfloat16", "4bit")
-EXACT = "arbor-x"  # the exact-prefill row (Engine.load(exact_prefill=True))
 
 
 @dataclass
@@ -142,10 +141,9 @@ def best_prefill(run_once) -> float:
     return best
 
 
-def time_arbor(folder: Path, prompt: list[int], new_tokens: int,
-               prefill_chunk: int | None = None) -> tuple[float, float, int]:
+def time_arbor(folder: Path, prompt: list[int], new_tokens: int) -> tuple[float, float, int]:
     engine = Engine(load_model(folder), Tokenizer.from_folder(folder), folder.name,
-                    cache=CacheConfig.memory_only(), prefill_chunk=prefill_chunk)
+                    cache=CacheConfig.memory_only())
 
     def generate(ids: list[int], tokens: int):
         engine.clear_cache()  # no prefix reuse between runs
@@ -190,14 +188,46 @@ def run(source: Path, work_dir: Path, formats: tuple[str, ...] = FORMATS, prompt
         folder = write_variant(source, work_dir / f"{source.name}-{fmt}", fmt)
         log(f"[{fmt}] arbor ...")
         rows.append(Row(fmt, "arbor", *time_arbor(folder, prompt, new_tokens)))
-        if fmt == formats[0]:  # what exact prefill (cached == cold) costs, on one format
-            log(f"[{fmt}] arbor, exact prefill ...")
-            rows.append(Row(fmt, EXACT, *time_arbor(folder, prompt, new_tokens,
-                                                    EXACT_PREFILL_CHUNK)))
         if against_mlx_lm:
             log(f"[{fmt}] mlx-lm ...")
             rows.append(Row(fmt, "mlx-lm", *time_mlx_lm(folder, prompt, new_tokens)))
     return rows
+
+
+#: Prompt lengths ``exact_prefill_costs`` times: a new chat message, a long one, a document.
+EXACT_COST_LENGTHS = (64, 256, 1024, 4096)
+
+
+def exact_prefill_costs(folder: Path, lengths: tuple[int, ...] = EXACT_COST_LENGTHS,
+                        repeats: int = 3) -> list[tuple[int, float, float]]:
+    """(prompt tokens, prefill tok/s in ``PREFILL_CHUNK``s, in exact chunks) per length: what
+    exact prefill costs by prompt length (BLAS is at its best on a few hundred rows, the
+    kernels' 64-row chunks are not). The two engines take turns; each keeps its best run."""
+    vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
+    engines = [Engine(load_model(folder), Tokenizer.from_folder(folder), folder.name,
+                      cache=CacheConfig.memory_only(), prefill_chunk=chunk)
+               for chunk in (None, EXACT_PREFILL_CHUNK)]
+    out = []
+    for n in lengths:
+        ids = prompt_ids(vocab, n)
+        best = [0.0, 0.0]
+        for _ in range(repeats):
+            for i, engine in enumerate(engines):
+                engine.clear_cache()
+                done = list(engine.generate(GenerateRequest(prompt_ids=ids, max_tokens=1,
+                                                            ignore_eos=True)))[-1]
+                best[i] = max(best[i], done.prefill_tps)
+        out.append((n, best[0], best[1]))
+    return out
+
+
+def format_exact_costs(costs: list[tuple[int, float, float]]) -> str:
+    lines = [f"exact prefill ({EXACT_PREFILL_CHUNK}-token chunks, cached == cold) by prompt "
+             "length, against plain prefill:"]
+    for n, plain, exact in costs:
+        lines.append(f"  {n:5} tokens: {plain:6.0f} vs {exact:6.0f} tok/s, costs prefill "
+                     f"{100 * (plain / exact - 1):3.0f}%")
+    return "\n".join(lines)
 
 
 def format_table(rows: list[Row], bandwidth_gbs: float) -> str:
@@ -214,10 +244,6 @@ def format_table(rows: list[Row], bandwidth_gbs: float) -> str:
                      f"{100 * r.decode_tps / ceiling:9.0f}%")
         by_fmt.setdefault(r.fmt, {})[r.engine] = r
     for fmt, pair in by_fmt.items():
-        if "arbor" in pair and EXACT in pair:
-            cost = pair["arbor"].prefill_tps / pair[EXACT].prefill_tps - 1
-            lines.append(f"{fmt:9} exact prefill ({EXACT_PREFILL_CHUNK}-token chunks, cached == "
-                         f"cold) costs prefill {100 * cost:.0f}%")
         if "arbor" in pair and "mlx-lm" in pair:
             a, m = pair["arbor"], pair["mlx-lm"]
             lines.append(f"{fmt:9} ratio arbor/mlx-lm: prefill {a.prefill_tps / m.prefill_tps:.2f}x"
