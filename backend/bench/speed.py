@@ -29,7 +29,7 @@ from mlx.utils import tree_flatten
 
 from backend import blas, kernels
 from backend.api import GenerateRequest
-from backend.engine import EXACT_PREFILL_CHUNK, Engine
+from backend.engine import EXACT_PREFILL_CHUNK, PREFILL_CHUNK, Engine
 from backend.errors import MissingDependencyError
 from backend.memory.budgets import CacheConfig
 from backend.tokenizer import Tokenizer
@@ -200,13 +200,13 @@ EXACT_COST_LENGTHS = (64, 256, 1024, 4096)
 
 def exact_prefill_costs(folder: Path, lengths: tuple[int, ...] = EXACT_COST_LENGTHS,
                         repeats: int = 3) -> list[tuple[int, float, float]]:
-    """(prompt tokens, prefill tok/s in ``PREFILL_CHUNK``s, in exact chunks) per length: what
-    exact prefill costs by prompt length (BLAS is at its best on a few hundred rows, the
-    kernels' 64-row chunks are not). The two engines take turns; each keeps its best run."""
+    """(prompt tokens, prefill tok/s in ``PREFILL_CHUNK``s, in exact chunks (the default)) per
+    length: what exact prefill costs by prompt length (BLAS is at its best on a few hundred
+    rows, the kernels' 64-row chunks are not). The engines take turns; each keeps its best."""
     vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
     engines = [Engine(load_model(folder), Tokenizer.from_folder(folder), folder.name,
                       cache=CacheConfig.memory_only(), prefill_chunk=chunk)
-               for chunk in (None, EXACT_PREFILL_CHUNK)]
+               for chunk in (PREFILL_CHUNK, EXACT_PREFILL_CHUNK)]
     out = []
     for n in lengths:
         ids = prompt_ids(vocab, n)
