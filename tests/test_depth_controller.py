@@ -70,6 +70,19 @@ def test_a_round_after_a_plain_step_is_priced_as_one_after_a_verify_round():
     assert abs(controller.cost[2] - 1.4) < 1e-9
 
 
+def test_a_round_that_falls_back_to_plain_decoding_pays_for_the_pipeline_it_broke():
+    # The plain step after it waited for its whole forward (0.4 more than a pipelined one):
+    # that is the round's cost, not plain decoding's. A round followed by another is not.
+    controller = DepthController()
+    controller.record(0, 0, 1.0)
+    controller.record(1, 0, 1.5)
+    controller.record(0, 0, 1.4, after_round=True)
+    assert abs(controller.cost[1] - 1.9) < 1e-9 and controller.cost[0] == 1.0
+    controller.record(1, 1, 1.5)
+    controller.record(1, 1, 1.5)  # the first led into the second: priced as it took
+    assert abs(controller.cost[1] - 1.6) < 1e-9  # 1.9 -> 1.7 -> 1.6, the faster moving half way
+
+
 def test_a_plain_step_right_after_a_verify_round_is_not_priced():
     # It waited for its whole forward and graph building: a run of plain steps overlaps them.
     controller = DepthController()

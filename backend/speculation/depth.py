@@ -59,6 +59,9 @@ class Rounds:
 
     context: int = AFTER_MISS  # the next round's (AFTER_MISS / AFTER_HIT)
     last_choice: int = -1  # the depth last chosen (not a probe); -1 before the first round
+    # The last drafting round's (depth, seconds, after a plain step, its depth's price before
+    # it): repriced if the next step says it broke plain decoding's pipeline (see ``record``).
+    pending: tuple[int, float, bool, float | None] | None = None
 
 
 @dataclass
@@ -182,14 +185,24 @@ class DepthController:
         it, so it waited for its whole forward and the graph building before it, where a run
         of plain steps overlaps each step's building with the one before (measured here: 30-37
         ms against 26-28). Plain decoding is priced as such a run, so this step is not priced
-        at all: otherwise, with most plain steps taken between rounds, depth 0 looked ~20%
-        dearer than it is and the controller kept drafting where plain decoding was faster."""
+        as a plain step (with most plain steps taken between rounds, depth 0 would look ~20%
+        dearer than it is); what it took beyond a plain step is the round's doing: the round
+        is priced again with it. A round that leads into another costs what it took, one that
+        falls back to plain decoding also the pipeline it broke (on open text, where lookup
+        finds a stray match now and then, that is most of what a missed round costs:
+        unpriced, it kept the controller drafting at 0.91x plain decoding)."""
         rounds = self._own if rounds is None else rounds
+        pending, rounds.pending = rounds.pending, None
         if depth == 0 and after_round:
+            if pending is not None and seconds is not None and 0 in self.cost:
+                self._reprice(pending, seconds - self.cost[0])
             rounds.context = AFTER_MISS
             return
         if seconds is not None:
+            before = self.cost.get(depth)
             self._price(depth, seconds, after_plain_step)
+            if depth:
+                rounds.pending = (depth, seconds, after_plain_step, before)
         acceptance, reached = self.acceptance[rounds.context], self.reached[rounds.context]
         for j in range(min(depth, accepted + 1)):  # positions the round reached
             outcome = 1.0 if j < accepted else 0.0
@@ -197,6 +210,17 @@ class DepthController:
             weight = max(ACCEPT_EWMA, 1.0 / (reached[j] + PRIOR_WEIGHT))
             acceptance[j] += weight * (outcome - acceptance[j])
         rounds.context = AFTER_HIT if depth and accepted else AFTER_MISS
+
+    def _reprice(self, pending: tuple[int, float, bool, float | None], extra: float) -> None:
+        """Price a round again from its depth's earlier price, ``extra`` seconds dearer."""
+        if extra <= 0:
+            return
+        depth, seconds, after_plain_step, before = pending
+        if before is None:
+            self.cost.pop(depth, None)
+        else:
+            self.cost[depth] = before
+        self._price(depth, seconds + extra, after_plain_step)
 
     def _price(self, depth: int, seconds: float, after_plain_step: bool) -> None:
         if after_plain_step and depth and 0 in self.cost:
