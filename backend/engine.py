@@ -74,12 +74,12 @@ from backend.weights.quantize import describe_quantization
 from backend.paths import profiles_dir
 
 PREFILL_CHUNK = 2048
-# Exact prefill (the default where the native kernels run): chunks the row-invariant kernels
-# take whole (kernels.MAX_KERNEL_ROWS), so every prompt row computes alike however the prompt is
-# cut (a restored prefix, another request's prefill that stored it, a batch): a reply from a
-# cached prefix equals a cold start's, bit for bit, and a prompt may be fed a few rows per step
-# beside other replies. It costs the prefill of long uncached prompts some speed (``arbor
-# bench`` prints how much by prompt length); ``exact_prefill=False`` takes PREFILL_CHUNKs.
+# Exact prefill (an option: ``exact_prefill=True``, ``--exact-prefill``): chunks the row-invariant
+# kernels take whole (kernels.MAX_KERNEL_ROWS), so every prompt row computes alike however the
+# prompt is cut (a restored prefix, another request's prefill that stored it, a batch): a reply
+# from a cached prefix equals a cold start's, bit for bit, and a prompt may be fed a few rows
+# per step beside other replies. It makes uncached prompts of a few hundred tokens and more
+# prefill 1.2-1.5x slower (``arbor bench`` prints it by prompt length), so it is not the default.
 EXACT_PREFILL_CHUNK = kernels.MAX_KERNEL_ROWS
 MAX_DRAFT = 8  # most draft tokens per verify round (verify blocks of up to 16 are exact)
 SPECULATION_CHOICES = ("auto", "model", "mtp", "dflash", "lookup", "none")
@@ -138,7 +138,7 @@ class Engine:
         self.model = loaded.model
         self.tokenizer = tokenizer
         self.name = name
-        self.prefill_chunk = prefill_chunk  # None: exact where the kernels run (chunk_size)
+        self.prefill_chunk = prefill_chunk  # None: PREFILL_CHUNK
         self.cache_config = cache if cache is not None else CacheConfig.default()
         self.draft = draft
         is_assistant = draft is not None and isinstance(draft.model, gemma4_assistant.Model)
@@ -208,13 +208,11 @@ class Engine:
              cache: CacheConfig | None = None, prefill_chunk: int | None = None,
              draft: str | Path | None = None, speculation: str = "auto",
              draft_depth: int | None = None, max_batch: int = 1,
-             exact_prefill: bool | None = None, cost_profiles: bool = True) -> "Engine":
+             exact_prefill: bool = False, cost_profiles: bool = True) -> "Engine":
         """Load a store name, an HF folder or a .gguf file (None: the default model), and
         optionally a draft model for speculative decoding (same kinds of reference; without
         one, a stored model's paired draft unless ``speculation`` rules drafting models out).
-        ``exact_prefill``: prefill in ``EXACT_PREFILL_CHUNK``-token chunks (cached == cold), or
-        in ``PREFILL_CHUNK``s (False); None: exact where the native kernels run (without them
-        no chunking is exact), unless ``prefill_chunk`` says otherwise."""
+        ``exact_prefill``: prefill in ``EXACT_PREFILL_CHUNK``-token chunks (cached == cold)."""
         from backend.weights.store import ModelStore, draft_mismatch
 
         store = ModelStore()
@@ -239,8 +237,8 @@ class Engine:
                 raise ModelLoadError(f"{Path(draft_folder).name} cannot draft for "
                                      f"{Path(folder).name}: {reason}")
             draft_loaded = draft_loaded or load_model(draft_folder, dtype)
-        if exact_prefill is not None:
-            prefill_chunk = EXACT_PREFILL_CHUNK if exact_prefill else PREFILL_CHUNK
+        if exact_prefill:
+            prefill_chunk = EXACT_PREFILL_CHUNK
         return cls(loaded, tokenizer, Path(folder).name, cache, prefill_chunk, draft_loaded,
                    speculation, draft_depth, max_batch, cost_profiles)
 
@@ -267,9 +265,7 @@ class Engine:
     @property
     def chunk_size(self) -> int:
         """Prompt tokens per prefill forward (at most: see ``prefill_rows``)."""
-        if self.prefill_chunk:
-            return self.prefill_chunk
-        return EXACT_PREFILL_CHUNK if self.loaded.cpu_kernels else PREFILL_CHUNK
+        return self.prefill_chunk or PREFILL_CHUNK
 
     @property
     def exact_prefill(self) -> bool:

@@ -1,7 +1,7 @@
-"""Exact prefill (the default where the native kernels run; ``--no-exact-prefill`` turns it
-off): prompts prefill in chunks the row-invariant kernels take whole, so a reply that resumes
-from a prefix another request stored equals, bit for bit (token ids and log-probabilities,
-sampled with a seed), the reply a cold engine gives the same request."""
+"""Exact prefill (``Engine.load(exact_prefill=True)``, ``--exact-prefill``): prompts prefill in
+chunks the row-invariant kernels take whole, so a reply that resumes from a prefix another
+request stored equals, bit for bit (token ids and log-probabilities, sampled with a seed), the
+reply a cold engine gives the same request."""
 
 from __future__ import annotations
 
@@ -50,13 +50,10 @@ def test_a_reply_from_a_cached_prefix_equals_a_cold_start(kind, tiny_model_dir):
     assert reused > 0  # later requests resumed from the shared system prompt
 
 
-def test_exact_prefill_is_the_default_where_the_kernels_run(tiny_model_dir, native_kernels):
+def test_the_command_line_asks_for_exact_prefill(tiny_model_dir):
     model = str(tiny_model_dir("llama"))
-    for flags, chunk in (([], EXACT_PREFILL_CHUNK), (["--exact-prefill"], EXACT_PREFILL_CHUNK),
-                         (["--no-exact-prefill"], PREFILL_CHUNK)):
+    for flags, chunk in (([], PREFILL_CHUNK), (["--exact-prefill"], EXACT_PREFILL_CHUNK)):
         args = build_parser().parse_args(["generate", "--model", model, *flags,
                                           "--prompt", "hi"])
         engine = _engine(args)
         assert engine.chunk_size == chunk and engine.exact_prefill == (chunk != PREFILL_CHUNK)
-    without_kernels = Engine.load(model, dtype="bfloat16")  # no chunking is exact there
-    assert without_kernels.chunk_size == PREFILL_CHUNK and not without_kernels.exact_prefill
