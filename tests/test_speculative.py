@@ -334,3 +334,19 @@ def test_lookup_index_notices_a_shorter_context_and_an_edit_that_keeps_the_lengt
     # grown.
     assert drafter.propose([4, 6, 4], 1, None, None).known == [6]
     assert drafter.propose([4, 6, 4, 4, 6], 2, None, None).known == [4, 4]
+
+
+def test_a_cold_lookup_needs_a_longer_match_until_a_proposal_is_kept():
+    """In free text a two-token match is nearly always a stray one: until a proposal's first id
+    was kept, prompt lookup proposes only from ``cold_min_ngram``-token matches."""
+    drafter = PromptLookupDrafter(max_ngram=4, min_ngram=2, cold_min_ngram=3)
+    only_a_pair = [1, 2, 3, 4, 1, 2, 3, 4, 6, 9, 4, 6]  # [4, 6] seen before, [9, 4, 6] not
+    assert drafter.propose([8, 4, 6, 9, 4, 6], 2, None, None) is None
+    copied = [1, 2, 3, 4, 1, 2, 3]
+    assert drafter.propose(copied, 2, None, None).known == [4, 1]
+    drafter.settle(copied + [4])  # its first id kept: a passage is being copied
+    assert drafter.propose(only_a_pair, 2, None, None).known == [9, 4]
+    drafter.settle(only_a_pair + [7])  # rejected: cold again
+    assert drafter.propose(only_a_pair + [7, 4, 6], 2, None, None) is None
+    # The default drafter proposes from the pair at once.
+    assert PromptLookupDrafter().propose(only_a_pair, 2, None, None).known == [9, 4]

@@ -79,16 +79,25 @@ class PromptLookupDrafter:
     an index of every n-gram's last two end positions grows with the context (O(max_ngram) per
     token), so a lookup costs about the same at any context length. A context that does not
     extend the one indexed (shorter, or edited anywhere: one list comparison notices, at C
-    speed) is indexed again from the start."""
+    speed) is indexed again from the start.
+
+    ``cold_min_ngram``: the shortest match that proposes while the last proposal was rejected
+    (or before any): in free text a two-token match ("of the") is nearly always a stray one,
+    and each missed round costs about one and a half plain steps; once a proposal was kept (a
+    passage being copied) ``min_ngram`` applies again. None: ``min_ngram`` always."""
 
     kind = "lookup"
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2,
+                 cold_min_ngram: int | None = None) -> None:
         self.caches: list[Cache] = []
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.cold_min_ngram = min_ngram if cold_min_ngram is None else cold_min_ngram
         self._tokens: list[int] = []
         self._last: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence
         self._before: dict[tuple[int, ...], int] = {}  # ... and of the one before it
+        self._copying = False  # the last proposal's first id was kept
+        self._proposed: tuple[int, int] | None = None  # (where, first id) of the last proposal
 
     def feed(self, tokens: Sequence[int]) -> None:
         pass
@@ -115,17 +124,22 @@ class PromptLookupDrafter:
                 history: History) -> Draft | None:
         self._index(held)
         end = len(self._tokens)
-        for size in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
+        shortest = self.min_ngram if self._copying else self.cold_min_ngram
+        for size in range(min(self.max_ngram, end - 1), shortest - 1, -1):
             key = tuple(self._tokens[end - size:])
             start = self._before.get(key)  # the latest occurrence is the suffix itself
             if start is not None:
                 ids = self._tokens[start:start + n]
                 if ids:
+                    self._proposed = (end, ids[0])
                     return Draft(mx.array(ids, dtype=mx.int32), None, ids)
         return None
 
     def settle(self, held: Sequence[int]) -> None:
-        pass
+        if self._proposed is not None:
+            at, first = self._proposed
+            self._copying = len(held) > at and held[at] == first
+            self._proposed = None
 
     def catch_up(self, held: Sequence[int]) -> None:
         pass
