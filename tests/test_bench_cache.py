@@ -36,3 +36,6 @@ def test_bench_cache_runs_both_servers_and_a_restart(tiny_model_dir, tmp_path):
     assert arbor.restart_tier_share.get("disk", 0) > 0  # the restart was served from disk
     assert 0 <= mlx_lm.cached_share <= 1
     assert "after restart" in table and arbor.name in table and mlx_lm.name in table
+    # Each turn's TTFT beside its prompt length: later turns carry the conversation so far.
+    assert len(arbor.by_turn) == 2 and arbor.by_turn[1][1] > arbor.by_turn[0][1] > 0
+    assert f"{arbor.name}: TTFT by turn (prompt tokens) t1 " in table

@@ -269,6 +269,8 @@ class Summary:
     restart_share: float
     restart_tier_share: dict[str, float]
     restart_peak_rss_bytes: int
+    # Per turn: the median TTFT and prompt length (later turns attend over longer contexts).
+    by_turn: list[tuple[float, int]] = field(default_factory=list)
 
     @property
     def ttft_ratio(self) -> float:
@@ -313,10 +315,13 @@ def run_server(server: Server, trace: Trace, tokenizer: Tokenizer, new_tokens: i
     later = [r for r in results if r.turn > 0]
     share, tiers = _shares(later)
     restart_share, restart_tiers = _shares(replay)
+    by_turn = [(statistics.median(r.ttft_s for r in results if r.turn == t),
+                int(statistics.median(r.prompt_tokens for r in results if r.turn == t)))
+               for t in range(turns)]
     return Summary(server.name, statistics.median(first),
                    statistics.median(r.ttft_s for r in later), share, tiers, rss,
                    statistics.median(r.ttft_s for r in replay), restart_share, restart_tiers,
-                   restart_rss)
+                   restart_rss, by_turn)
 
 
 def arbor_server(folder: Path, name: str, cache_args: list[str], cache_dir: Path) -> Server:
@@ -349,6 +354,9 @@ def format_table(summaries: list[Summary], trace_line: str) -> str:
             f"{s.restart_ttft_s:20.3f} {100 * s.restart_share:6.1f}% "
             f"{s.restart_peak_rss_bytes / 1e9:8.2f}GB  {tiers(s.tier_share)} | after restart: "
             f"{tiers(s.restart_tier_share)}")
+    for s in summaries:
+        lines.append(f"{s.name}: TTFT by turn (prompt tokens) " + ", ".join(
+            f"t{t + 1} {ttft:.3f} s ({tokens})" for t, (ttft, tokens) in enumerate(s.by_turn)))
     return "\n".join(lines)
 
 
