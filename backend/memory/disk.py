@@ -45,6 +45,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import os
 import sqlite3
 import struct
@@ -422,15 +423,12 @@ class DiskStore:
             return None
         if len(metas) != layers:
             return None
-        records: LayerRecords = []
-        for j, meta in enumerate(metas):
-            if meta is None:
-                records.append(None)
-                continue
-            prefix = f"{j}."
-            arrays = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-            records.append(SnapshotRecord(meta, arrays))
-        return records
+        by_layer: dict[str, dict[str, np.ndarray]] = {}  # "<layer>.<array>", grouped once
+        for name, view in tensors.items():
+            layer, _, array_name = name.partition(".")
+            by_layer.setdefault(layer, {})[array_name] = view
+        return [None if meta is None else SnapshotRecord(meta, by_layer.get(str(j), {}))
+                for j, meta in enumerate(metas)]
 
     def delete(self, node_id: str) -> None:
         """Forget a stored node (row, then file). While the tier cannot write, the delete waits
@@ -625,7 +623,7 @@ def _safetensors_views(data: bytes) -> tuple[dict[str, str], dict[str, np.ndarra
         dtype = np.dtype(_SAFETENSORS_DTYPES[info["dtype"]])
         shape = tuple(int(n) for n in info["shape"])
         lo, hi = (int(n) for n in info["data_offsets"])
-        if not 0 <= lo <= hi <= len(body) or hi - lo != dtype.itemsize * int(np.prod(shape)):
+        if not 0 <= lo <= hi <= len(body) or hi - lo != dtype.itemsize * math.prod(shape):
             raise ValueError(f"tensor {name} lies outside the file")
         tensors[name] = np.frombuffer(body[lo:hi], dtype=dtype).reshape(shape)
     return header.get("__metadata__", {}), tensors
