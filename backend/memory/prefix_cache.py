@@ -44,7 +44,7 @@ another tier holds one or the live caches do (then it becomes free views of them
 exact bytes (``nbytes`` of arrays, file sizes) and are never exceeded between steps.
 
 Faults. The cache is an optimization and never fails a turn. Each public operation is a fault
-boundary (``_fault_boundary``): whatever raises inside it (a cache, the disk, a bug), the
+boundary (``fault_boundary``, ``recovery.py``): whatever raises inside it (a cache, the disk, a bug), the
 operation ends in a consistent state (``_recover``: the live caches dropped, no request left
 running, no lock held, every node that lost its data or a part of it forgotten with its
 subtree, the counters rebuilt), says so in one log line per kind of failure, and answers as a
@@ -56,7 +56,6 @@ cache that had nothing: ``begin`` restores nothing (the engine prefills the whol
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from array import array
@@ -67,6 +66,7 @@ from backend.api import CacheStats
 from backend.memory.budgets import CacheBudgets
 from backend.memory.disk import DiskStore
 from backend.memory.read_ahead import NOT_READ, ReadAhead
+from backend.memory.recovery import FaultRecovery, PrefixCacheMisuse, fault_boundary
 from backend.memory.records import LayerRecords
 from backend.memory.tiers import TIERS, NodeData, TierLedger, close_all
 from backend.memory.trie import PrefixTrie, TokenIds, TrieNode, as_ids, common_prefix_length
@@ -75,40 +75,6 @@ log = logging.getLogger(__name__)
 
 CAPTURE_INTERVAL = 4096
 PRE_END = 4
-
-
-#: The operations on one slot's request; a fault in any other one leaves every request running.
-_SLOT_OPERATIONS = ("_begin", "_attach_captures", "_commit", "_abort")
-
-
-class PrefixCacheMisuse(RuntimeError, ValueError):
-    """The caller broke the protocol (not a fault of the cache): this one is raised."""
-
-
-def _fault_boundary(on_fault: Callable):
-    """Run a public operation so that a fault inside it leaves the cache consistent
-    (``_recover``) and the operation answers ``on_fault(self, *args)``. Calls from inside
-    another guarded operation run unguarded: the outer one recovers."""
-
-    def wrap(method):
-        @functools.wraps(method)
-        def guarded(self, *args, **kwargs):
-            if self._guarding:
-                return method(self, *args, **kwargs)
-            self._guarding = True
-            try:
-                return method(self, *args, **kwargs)
-            except PrefixCacheMisuse:
-                raise
-            except Exception as exc:
-                self._recover(method.__name__, exc)
-                return on_fault(self, *args, **kwargs)
-            finally:
-                self._guarding = False
-
-        return guarded
-
-    return wrap
 
 
 @dataclass(frozen=True)
@@ -147,7 +113,7 @@ class LiveSlot:
         return self.request is not None
 
 
-class PrefixCache:
+class PrefixCache(FaultRecovery):
     """See the module docstring. Used from one thread (the engine's)."""
 
     def __init__(self, caches: Sequence, budgets: CacheBudgets, disk: DiskStore | None = None,
@@ -171,7 +137,7 @@ class PrefixCache:
         if self.disk is not None:
             self._start_from_disk()
 
-    @_fault_boundary(lambda self: None)
+    @fault_boundary(lambda self: None)
     def _start_from_disk(self) -> None:
         self._load_disk_index(self.disk)
 
@@ -262,7 +228,7 @@ class PrefixCache:
         self._request = _Request(prompt, 0)
         return Resume(0, dict.fromkeys(("live",) + TIERS, 0), 0.0)
 
-    @_fault_boundary(_cold_begin)
+    @fault_boundary(_cold_begin)
     def _begin(self, prompt: array) -> Resume:
         t0 = time.perf_counter()
         self.persist()
@@ -384,7 +350,7 @@ class PrefixCache:
         request.attached = True
         self._attach_captures(request, as_ids(held))
 
-    @_fault_boundary(lambda self, request, held: None)
+    @fault_boundary(lambda self, request, held: None)
     def _attach_captures(self, request: _Request, held: array) -> None:
         rows = [cache.take_snapshots() for cache in self.caches]
         for cache in self.caches:
@@ -444,7 +410,7 @@ class PrefixCache:
         self._require_request()
         self._commit(as_ids(held))
 
-    @_fault_boundary(lambda self, held: None)
+    @fault_boundary(lambda self, held: None)
     def _commit(self, held: array) -> None:
         self.attach_captures(held, self._slot)
         if any(cache.offset != len(held) for cache in self.caches):
@@ -491,7 +457,7 @@ class PrefixCache:
         self._use(slot)
         self._abort()
 
-    @_fault_boundary(lambda self: None)
+    @fault_boundary(lambda self: None)
     def _abort(self) -> None:
         for cache in self.caches:
             close_all(cache.take_snapshots())
@@ -685,7 +651,7 @@ class PrefixCache:
     # ============================================================================================
     # 4. persistence and budgets
     # ============================================================================================
-    @_fault_boundary(lambda self: None)
+    @fault_boundary(lambda self: None)
     def persist(self) -> None:
         """Write nodes created since the last call to disk (parents first)."""
         pending, self._unpersisted = self._unpersisted, []
@@ -810,7 +776,7 @@ class PrefixCache:
         running meanwhile: their pinned paths stay."""
         return self._prefetch(as_ids(prompt), should_stop)
 
-    @_fault_boundary(lambda self, prompt, should_stop: 0)
+    @fault_boundary(lambda self, prompt, should_stop: 0)
     def _prefetch(self, prompt: array, should_stop: Callable[[], bool]) -> int:
         match = self.trie.match(prompt)
         ready = 0
@@ -831,7 +797,7 @@ class PrefixCache:
         in the queue finds them read when it begins; how many reads started."""
         return self._read_ahead_for(as_ids(prompt))
 
-    @_fault_boundary(lambda self, prompt: 0)
+    @fault_boundary(lambda self, prompt: 0)
     def _read_ahead_for(self, prompt: array) -> int:
         if self.read_ahead is None or self.disk is None:
             return 0
@@ -858,7 +824,7 @@ class PrefixCache:
         each step, keeping the budgets between steps."""
         self._guarded_enforce_budgets()
 
-    @_fault_boundary(lambda self: None)
+    @fault_boundary(lambda self: None)
     def _guarded_enforce_budgets(self) -> None:
         self._enforce_budgets()
 
@@ -867,7 +833,7 @@ class PrefixCache:
         self._require_idle()
         self._clear()
 
-    @_fault_boundary(lambda self: self._drop_everything())
+    @fault_boundary(lambda self: self._drop_everything())
     def _clear(self) -> None:
         for slot in self.slots:
             for cache in slot.caches:
@@ -898,7 +864,7 @@ class PrefixCache:
             self.disk.close()
             self.disk = self.tiers.disk = None
 
-    @_fault_boundary(lambda self: None)
+    @fault_boundary(lambda self: None)
     def _forget_disk_copies(self) -> None:
         for node in list(self.trie.nodes()):
             self.tiers.drop_disk(node, delete=False)
@@ -984,130 +950,3 @@ class PrefixCache:
     def _require_idle(self) -> None:
         if self.running:
             raise PrefixCacheMisuse("a request is running")
-
-    # ============================================================================================
-    # Faults: back to a consistent state (see "Faults" in the module docstring)
-    # ============================================================================================
-    def _recover(self, operation: str, exc: Exception) -> None:
-        """After ``exc`` ended ``operation`` early: no capture left scheduled, the trie without
-        any node whose data is missing or torn, no lock but the running request's own, the
-        counters rebuilt. The live caches are kept only while a request still writes them
-        (a fault while attaching captures) or, when idle, while the trie still holds what
-        they hold; otherwise they are dropped and the next request restores or recomputes."""
-        self.faults += 1
-        kind = f"{operation.strip('_')}: {type(exc).__name__}"
-        if kind not in self._faults_logged:
-            self._faults_logged.add(kind)
-            log.error("prefix cache: a fault in %s (%s); the cache recovered and the turn goes "
-                      "on without it", operation.strip("_"), exc, exc_info=exc)
-        own = self._slot if operation in _SLOT_OPERATIONS else None
-        writing = own is not None and own.running and operation == "_attach_captures"
-        if own is not None:
-            for cache in own.caches:
-                try:
-                    close_all(cache.take_snapshots())
-                    cache.cancel_snapshots()
-                except Exception:
-                    pass  # its captures are lost; the request still writes its caches
-            if writing:
-                own.request.offsets = []
-            else:
-                own.request = None  # a fault while restoring or ending it: the caches in doubt
-        try:
-            self._repair_trie()
-            for slot in self.slots:
-                if slot.running:
-                    self._relock_restored(slot)
-                elif slot is own or not self._trie_holds(slot.live):
-                    self._drop_live_caches(slot)
-            self._enforce_budgets()
-        except Exception as again:  # the trie itself is beyond repair: start it afresh
-            log.error("prefix cache: recovery failed (%s); every stored prefix is dropped",
-                      again, exc_info=again)
-            self._drop_everything()
-            for slot in self.slots:
-                if not slot.running:
-                    self._drop_live_caches(slot)
-
-    def _repair_trie(self) -> None:
-        """Forget every node (with its subtree) whose data is missing, on no tier, or whose
-        copies disagree with its layers; clear every lock; rebuild the counters."""
-        for node in self.trie.nodes():
-            node.locks = 0
-        for slot in self.slots:
-            slot.locked = None
-        for node in list(self.trie.nodes()):  # parents first
-            if node.parent is not None and not self._intact(node):
-                self._drop_subtree_quietly(node)
-        self._unpersisted = [n for n in self._unpersisted
-                             if n.parent is not None and n.data is not None]
-        self.tiers.recount(list(self.trie.nodes()))
-
-    def _intact(self, node: TrieNode) -> bool:
-        data = node.data
-        if not isinstance(data, NodeData) or data.tiers() == 0:
-            return False
-        layers = list(data.layers)
-        if len(layers) != len(self.caches):
-            return False
-        if not all(layers[j] for j, kind in enumerate(self.kinds) if kind == "span"):
-            return False
-        if data.on_device:
-            if [s is not None for s in data.device] != layers:
-                return False
-            for j, snap in enumerate(data.device):
-                if snap is not None and (snap.end != node.end or (
-                        self.kinds[j] == "span" and snap.start != node.start)):
-                    return False
-        return not data.on_host or [r is not None for r in data.host] == layers
-
-    def _drop_subtree_quietly(self, node: TrieNode) -> None:
-        """Forget a subtree whose data may be torn: snapshots closed where they still can be,
-        stored files deleted, the counters left to ``recount``."""
-        for child in list(node.children.values()):
-            self._drop_subtree_quietly(child)
-        data = node.data
-        if isinstance(data, NodeData):
-            for snap in data.device or ():
-                try:
-                    if snap is not None:
-                        snap.close()
-                except Exception:
-                    pass  # already closed, or handed on before the fault
-            if data.on_disk and self.disk is not None:
-                self.disk.delete(data.id)
-            data.device = data.host = data.disk = None
-        self.tiers.lazy.discard(node)
-        node.locks = 0
-        self.trie.remove_leaf(node)
-
-    def _relock_restored(self, slot: LiveSlot) -> None:
-        """Pin a running request's restored path again, where the repair left it."""
-        request = slot.request
-        if request.cached == 0:
-            return
-        match = self.trie.match(request.prompt[:request.cached])
-        if match.length == request.cached:
-            self._relock(match.node_at(request.cached - 1), slot)
-
-    def _trie_holds(self, ids: array) -> bool:
-        return not ids or self.trie.match(ids).length == len(ids)
-
-    def _drop_live_caches(self, slot: LiveSlot) -> None:
-        for cache in slot.caches:
-            cache.free()
-        slot.live = array("i")
-
-    def _drop_everything(self) -> None:
-        """The last resort: a fresh trie (device snapshots closed where they can be)."""
-        for node in list(self.trie.root.children.values()):
-            try:
-                self._drop_subtree_quietly(node)
-            except Exception:
-                pass
-        self.trie = PrefixTrie()
-        for slot in self.slots:
-            slot.locked = None
-        self._unpersisted = []
-        self.tiers.recount([])
-
