@@ -42,6 +42,11 @@ FALLBACK_CHAT_TEMPLATE = (
 _REPLACEMENT = "\ufffd"  # what a decoder yields for an incomplete or invalid UTF-8 sequence
 
 
+def _is_byte_piece(piece: str) -> bool:
+    """A SentencePiece byte-fallback token, ``<0xNN>``."""
+    return len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+
+
 class Tokenizer:
     """One model's tokenizer. Immutable after construction; safe to share between threads."""
 
@@ -61,6 +66,7 @@ class Tokenizer:
         self._special = {k: v for k, v in (special_tokens or {}).items() if v}
         self._add_bos_token = add_bos_token
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self._byte_tokens: frozenset[int] | None = None  # SentencePiece <0xNN> ids, when asked
         self.bos_token_id: int | None = self._id_of(self._special.get("bos_token"))
         eos = set(eos_token_ids)
         if (eos_from_config := self._id_of(self._special.get("eos_token"))) is not None:
@@ -141,7 +147,11 @@ class Tokenizer:
 
     def detokenizer(self, skip_special_tokens: bool = False) -> StreamingDetokenizer:
         """A fresh streaming decoder whose output concatenates to ``decode(ids)``."""
-        return StreamingDetokenizer(self._backend, skip_special_tokens)
+        if self._byte_tokens is None:
+            self._byte_tokens = frozenset(
+                i for piece, i in self._backend.get_vocab(with_added_tokens=True).items()
+                if _is_byte_piece(piece))
+        return StreamingDetokenizer(self._backend, skip_special_tokens, self._byte_tokens)
 
     # -- chat template -----------------------------------------------------------------------------
 
@@ -216,12 +226,17 @@ class StreamingDetokenizer:
     How: only a short window of ids is decoded per call, starting at the ids emitted by the
     previous chunk. Those ids are kept as context because decoders treat the first token of a
     string specially (SentencePiece drops its leading space), so a token must not be decoded
-    alone; the new text is what the window adds beyond its context's text.
+    alone; the new text is what the window adds beyond its context's text. The context never
+    starts at a byte-fallback token (``byte_tokens``) that an earlier one precedes: the decoder
+    merges a run of them into one token, and Metaspace drops every U+2581 of a string's first
+    token, so a window opening inside a run lost a spelled-out space.
     """
 
-    def __init__(self, backend: _Backend, skip_special_tokens: bool = False) -> None:
+    def __init__(self, backend: _Backend, skip_special_tokens: bool = False,
+                 byte_tokens: frozenset[int] = frozenset()) -> None:
         self._backend = backend
         self._skip = skip_special_tokens
+        self._byte_tokens = byte_tokens
         self._window: list[int] = []  # context ids, then ids not yet emitted
         self._context = 0  # len of the context part of _window
         self._context_text = ""  # decode of the context ids alone
@@ -250,8 +265,12 @@ class StreamingDetokenizer:
 
     def _emit(self, text: str) -> str:
         chunk = text[len(self._context_text) :]
-        # the ids just emitted become the context of the next window
-        del self._window[: self._context]
+        # the ids just emitted become the context of the next window (from the start of a
+        # byte run they continue: the window's own start is never inside one)
+        start = self._context
+        while start > 0 and self._window[start] in self._byte_tokens:
+            start -= 1
+        del self._window[:start]
         self._context = len(self._window)
         self._context_text = self._decode(self._window)
         if chunk:
