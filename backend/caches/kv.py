@@ -86,17 +86,28 @@ class KVSnapshot:
         return self._keys, self._values
 
     def _copy_out(self) -> None:
+        copy_out([self])
+
+    def _detach(self) -> list[mx.array]:
+        """Own (lazy) copies of the viewed range, returned for ``copy_out`` to evaluate."""
         keys, values = self._owner._view(self.lo, self.end)
         # contiguous allocates exactly this range (a slice alone would keep the buffer alive).
         self._keys, self._values = mx.contiguous(keys), mx.contiguous(values)
-        mx.eval(self._keys, self._values)
         self._owner = None
+        return [self._keys, self._values]
 
     def close(self) -> None:
         if self._owner is not None:
             self._owner._forget(self)
         self._owner = None
         self._keys = self._values = None
+
+
+def copy_out(snapshots: Sequence) -> None:
+    """Give lazy snapshots (any kind with ``_detach``) copies of their own before their buffer
+    is written, evaluated together (a restore overwrites dozens at once; one evaluation each
+    was a host sync each)."""
+    mx.eval([a for snap in snapshots for a in snap._detach()])
 
 
 class LazyKVStorage:
@@ -186,13 +197,10 @@ class SpanKVStorage(LazyKVStorage):
 
     def _protect_from(self, position: int) -> None:
         """Copy out every lazy snapshot that a write starting at ``position`` would overwrite."""
-        keep = []
-        for snap in self._lazy:
-            if snap.end > position:
-                snap._copy_out()
-            else:
-                keep.append(snap)
-        self._lazy = keep
+        overwritten = [snap for snap in self._lazy if snap.end > position]
+        if overwritten:
+            copy_out(overwritten)
+            self._lazy = [snap for snap in self._lazy if snap.end <= position]
 
     def snapshot(self, start: int, end: int | None = None):
         """A lazy snapshot of ``[start, end)`` of the live state (``end`` defaults to offset)."""
@@ -326,7 +334,7 @@ class KVCache(SpanKVStorage):
 
     def _replay(self, snapshot: KVSnapshot, n: int) -> None:
         keys, values = snapshot.arrays()
-        self.update(keys[..., :n, :], values[..., :n, :])
+        self.append(keys[..., :n, :], values[..., :n, :])
 
     def _joined(self, first: KVSnapshot, second: KVSnapshot) -> KVSnapshot:
         k1, v1 = first.arrays()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from backend.caches.export import make_record, read_record
-from backend.caches.kv import ContiguousHistory, SpanKVStorage, grown
+from backend.caches.kv import ContiguousHistory, SpanKVStorage, copy_out, grown
 from backend.memory.records import SnapshotRecord
 
 
@@ -60,10 +60,14 @@ class LatentSnapshot:
         return self._entries
 
     def _copy_out(self) -> None:
+        copy_out([self])
+
+    def _detach(self) -> list[mx.array]:
+        """An own (lazy) copy of the viewed range, returned for ``copy_out`` to evaluate."""
         # contiguous allocates exactly this range (a slice alone would keep the buffer alive).
         self._entries = mx.contiguous(self._owner._view(self.start, self.end))
-        mx.eval(self._entries)
         self._owner = None
+        return [self._entries]
 
     def close(self) -> None:
         if self._owner is not None:

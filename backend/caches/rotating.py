@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from backend.caches.kv import ContiguousHistory, KVSnapshot, LazyKVStorage
+from backend.caches.kv import ContiguousHistory, KVSnapshot, LazyKVStorage, copy_out
 
 STEP = 256
 
@@ -95,13 +95,12 @@ class RotatingKVCache(LazyKVStorage):
     def _protect(self, overwrite_from: int, new_lo: int) -> None:
         """Copy out lazy snapshots that need a position >= ``overwrite_from`` (about to be
         rewritten) or < ``new_lo`` (about to be dropped)."""
-        keep = []
+        due, keep = [], []
         for snap in self._lazy:
-            if snap.end > overwrite_from or snap.lo < new_lo:
-                snap._copy_out()
-            else:
-                keep.append(snap)
-        self._lazy = keep
+            (due if snap.end > overwrite_from or snap.lo < new_lo else keep).append(snap)
+        if due:
+            copy_out(due)
+            self._lazy = keep
 
     def _relayout(self, keep: int, extra: int, keys: mx.array | None = None,
                   values: mx.array | None = None) -> None:
