@@ -460,11 +460,6 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _exact_prefill_flag(args: argparse.Namespace) -> list[str]:
-    """The server flag --exact-prefill, when given."""
-    return ["--exact-prefill"] if args.exact_prefill else []
-
-
 def _bench_batch(args: argparse.Namespace, source: Path, work: Path) -> int:
     from backend.bench import batch as bench_batch, speed as bench
 
@@ -474,7 +469,7 @@ def _bench_batch(args: argparse.Namespace, source: Path, work: Path) -> int:
     rows, stalls, costs = bench_batch.run(
         variants, work, clients, new_tokens=args.new_tokens or 64,
         against_mlx_lm=args.against == "mlx-lm", log=lambda m: print(m, file=sys.stderr),
-        arbor_args=_exact_prefill_flag(args))
+        arbor_args=["--exact-prefill"] if args.exact_prefill else [])
     print(bench_batch.format_table(rows, stalls, costs))
     return 0
 
@@ -633,7 +628,7 @@ def _bench_cache(args: argparse.Namespace, source: Path, work: Path) -> int:
         flags.append("--no-disk-cache")
         label.append("no disk")
     if args.exact_prefill:
-        flags += _exact_prefill_flag(args)
+        flags.append("--exact-prefill")
         label.append("exact prefill")
     runs = [(", ".join(label) or "default budgets", flags)]
     if args.with_defaults and flags:

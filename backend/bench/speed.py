@@ -200,8 +200,9 @@ EXACT_COST_LENGTHS = (64, 256, 1024, 4096)
 
 def exact_prefill_costs(folder: Path, lengths: tuple[int, ...] = EXACT_COST_LENGTHS,
                         repeats: int = 3) -> list[tuple[int, float, float]]:
-    """(prompt tokens, prefill tok/s in ``PREFILL_CHUNK``s, in exact chunks) per length: what exact prefill costs by prompt length (BLAS is at its best on a few hundred
-    rows, the kernels' 64-row chunks are not). The engines take turns; each keeps its best."""
+    """(prompt tokens, prefill tok/s in ``PREFILL_CHUNK``s, in exact chunks) per length: what
+    exact prefill costs by prompt length (BLAS is at its best on a few hundred rows, the
+    kernels' 64-row chunks are not). The engines take turns; each keeps its best."""
     vocab = int(json.loads((folder / "config.json").read_text())["vocab_size"])
     engines = [Engine(load_model(folder), Tokenizer.from_folder(folder), folder.name,
                       cache=CacheConfig.memory_only(), prefill_chunk=chunk)
