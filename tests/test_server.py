@@ -159,6 +159,18 @@ def test_the_stream_on_the_wire_is_server_sent_events_ending_in_done(shared):
     assert len({p["id"] for p in payloads}) == 1
 
 
+def test_the_server_runs_on_the_c_parser_and_event_loop(shared):
+    """httptools and uvloop (``run.fast_transport``): the pure-Python ones cost the model's
+    steps CPU time with many streams open."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    uvicorn_server = shared.server._server
+    wait_until(lambda: uvicorn_server.started, "uvicorn to start")
+    assert uvicorn_server.config.http is HttpToolsProtocol
+    loop = uvicorn_server.servers[0].get_loop()
+    assert type(loop).__module__.startswith("uvloop"), type(loop)
+
+
 def test_extra_fields_and_nulls_are_accepted(shared):
     status, _, body = send(shared, "POST", "/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "developer", "content": "be brief"},

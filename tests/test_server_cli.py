@@ -26,7 +26,8 @@ from tests.test_installed_dependencies import runtime_closure
 
 def test_the_server_comes_with_a_plain_install():
     closure = runtime_closure("arbor-chat")
-    assert {"fastapi", "uvicorn", "starlette", "pydantic"} <= set(closure), sorted(closure)
+    assert {"fastapi", "uvicorn", "starlette", "pydantic", "httptools",
+            "uvloop"} <= set(closure), sorted(closure)
     assert "openai" not in closure  # only the tests talk to it with the client
 
 

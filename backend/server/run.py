@@ -64,6 +64,26 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def fast_transport() -> dict:
+    """uvicorn's C HTTP parser (httptools) and event loop (uvloop), both dependencies, named
+    as classes and modules so a frozen bundle carries them: with 8 replies streaming, the
+    pure-Python parser and loop take CPU time the model's steps need (``arbor bench batch``:
+    8 clients 117 -> 123 tokens/s, medians of 4 alternating runs). Where one is missing (a
+    platform without a uvloop wheel) the server runs on h11 or asyncio instead."""
+    options: dict = {"http": "h11", "loop": "asyncio"}
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+        options["http"] = HttpToolsProtocol
+    except ImportError:
+        pass
+    try:
+        import uvicorn.loops.uvloop  # noqa: F401  (what "uvloop" names; imports uvloop)
+        options["loop"] = "uvloop"
+    except ImportError:
+        pass
+    return options
+
+
 class _Uvicorn(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, on_exit: Callable[[], None]) -> None:
         super().__init__(config)
@@ -92,7 +112,8 @@ class ArborServer:
         host, port = sock.getsockname()[:2]
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         app = create_app(engine, api_key=api_key, max_body_bytes=max_body_bytes)
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10)
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10,
+                                **fast_transport())
         self._server = _Uvicorn(config, on_exit=engine.cancel_all)
 
     def run(self) -> None:
