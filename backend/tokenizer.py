@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,8 @@ def _is_byte_piece(piece: str) -> bool:
 
 
 class Tokenizer:
-    """One model's tokenizer. Immutable after construction; safe to share between threads."""
+    """One model's tokenizer. Immutable after construction (``byte_tokens`` is computed on first
+    use, the same set from any thread); safe to share between threads."""
 
     def __init__(
         self,
@@ -66,7 +68,6 @@ class Tokenizer:
         self._special = {k: v for k, v in (special_tokens or {}).items() if v}
         self._add_bos_token = add_bos_token
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
-        self._byte_tokens: frozenset[int] | None = None  # SentencePiece <0xNN> ids, when asked
         self.bos_token_id: int | None = self._id_of(self._special.get("bos_token"))
         eos = set(eos_token_ids)
         if (eos_from_config := self._id_of(self._special.get("eos_token"))) is not None:
@@ -147,11 +148,13 @@ class Tokenizer:
 
     def detokenizer(self, skip_special_tokens: bool = False) -> StreamingDetokenizer:
         """A fresh streaming decoder whose output concatenates to ``decode(ids)``."""
-        if self._byte_tokens is None:
-            self._byte_tokens = frozenset(
-                i for piece, i in self._backend.get_vocab(with_added_tokens=True).items()
-                if _is_byte_piece(piece))
-        return StreamingDetokenizer(self._backend, skip_special_tokens, self._byte_tokens)
+        return StreamingDetokenizer(self._backend, skip_special_tokens, self.byte_tokens)
+
+    @cached_property
+    def byte_tokens(self) -> frozenset[int]:
+        """The SentencePiece byte-fallback ids (``<0xNN>``); empty for byte-level BPE."""
+        return frozenset(i for piece, i in self._backend.get_vocab(with_added_tokens=True).items()
+                         if _is_byte_piece(piece))
 
     # -- chat template -----------------------------------------------------------------------------
 
