@@ -94,6 +94,36 @@ def test_attention_queries_are_reduced_alike_whatever_their_count(K, window, hea
             np.testing.assert_array_equal(block[:, :, i:i + 1], one, err_msg=f"M={m} row {i}")
 
 
+@pytest.mark.parametrize("d", [64, 128, 80])
+@pytest.mark.parametrize("window", [None, 100])
+def test_long_query_blocks_are_reduced_alike_whatever_their_count(K, d, window):
+    """The same over hundreds of keys: the scores run in blocks of 16 keys and the values in
+    spans of a few KB, and a query's result must not depend on where those fall for it."""
+    hq, hkv, L, M = 6, 2, 300, 40
+    q = mx.random.normal((1, hq, M, d))
+    k, v = mx.random.normal((1, hkv, L, d)), mx.random.normal((1, hkv, L, d))
+    block = np.array(K.attention(q, k, v, 0.2, True, window))
+    for i in (0, 1, 17, M - 1):
+        end = L - M + i + 1
+        start = 0 if window is None else max(0, end - window)
+        one = np.array(K.attention(q[:, :, i:i + 1], k[:, :, start:end], v[:, :, start:end],
+                                   0.2, False))
+        np.testing.assert_array_equal(block[:, :, i:i + 1], one, err_msg=f"row {i}")
+
+
+@pytest.mark.parametrize("k", [1, 17, 64, 72, 128, 130, 256])
+@pytest.mark.parametrize("m", [1, 3, 12, 53])
+def test_attention_scores_kernel_equals_the_product_kernel_bit_for_bit(K, k, m):
+    """Attention scores go through their own kernel (16 keys reduced together); each score
+    must be, bit for bit, the matvec kernel's product, so decode, verify and prefill, and the
+    caches written before it, keep their numerics."""
+    x = mx.random.normal((m, k))
+    for n in (15, 16, 33, 100):
+        w = mx.random.normal((n, k))
+        np.testing.assert_array_equal(np.array(K._mod().key_rows(x, w)),
+                                      np.array(K.matvec(x, w)), err_msg=f"N={n}")
+
+
 def test_attention_argument_errors(K):
     q = mx.zeros((1, 3, 1, 16))
     with pytest.raises(ValueError, match="multiple of Hkv"):

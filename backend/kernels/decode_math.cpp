@@ -77,6 +77,24 @@ inline float sum_lanes(vf8 v) {
   return a[0];
 }
 
+// The largest of x[0:n] (-inf for none), eight lanes at a time. Equal values are the same
+// float but for the sign of zero, which exp(x - max) does not see.
+ARBOR_CLONES float max_of(const float* __restrict x, int64_t n) {
+  const float none = -std::numeric_limits<float>::infinity();
+  vf8 acc = {none, none, none, none, none, none, none, none};
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const vf8 v = load8(x + j);
+    acc = v > acc ? v : acc;
+  }
+  float a[W];
+  store8(a, acc);
+  float max = none;
+  for (int i = 0; i < W; ++i) max = a[i] > max ? a[i] : max;
+  for (; j < n; ++j) max = x[j] > max ? x[j] : max;
+  return max;
+}
+
 // scores[j] = exp(scores[j] - max), returns their sum.
 ARBOR_CLONES float exp_shifted(float* __restrict scores, int64_t n, float max) {
   vf8 acc = {};
@@ -96,38 +114,51 @@ ARBOR_CLONES float exp_shifted(float* __restrict scores, int64_t n, float max) {
 
 // out_r[0:Dv] = sum_j p_r[j] * v[j * ldv + 0:Dv] / norm[r] for the R rows that share
 // these values (row r uses values lo[r] .. n[r]-1). Each row sums its values in order, a
-// block of BLOCK outputs at a time held in registers (the values, read once per row, come
-// from L1 or L2; writing the sums back after every value cost twice the memory traffic).
-ARBOR_CLONES void weighted_rows(const float* __restrict p, int64_t ldp, int64_t R,
-                                const int64_t* lo, const int64_t* n,
-                                const float* __restrict v, int64_t ldv,
-                                int64_t Dv, const float* norm, float* __restrict out) {
+// block of BLOCK outputs at a time held in registers. The values are taken in spans of about
+// 16 KB, each passed to every row before the next (from L1; a whole row's values come from L2
+// at half the speed), so a row's sums go out to `out` and back once per span; a float stored
+// and loaded is unchanged, so every output is the same in-order sum as in one pass.
+ARBOR_CLONES void weighted_span(const float* __restrict p, int64_t j0, int64_t j1,
+                                const float* __restrict v, int64_t ldv, int64_t Dv,
+                                float* __restrict o) {
   constexpr int64_t BLOCK = 8 * W;
+  int64_t d0 = 0;
+  for (; d0 + BLOCK <= Dv; d0 += BLOCK) {
+    vf8 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = load8(o + d0 + i * W);
+    for (int64_t j = j0; j < j1; ++j) {
+      const float pj = p[j];
+      const float* row = v + j * ldv + d0;
+      for (int i = 0; i < 8; ++i) acc[i] = acc[i] + pj * load8(row + i * W);
+    }
+    for (int i = 0; i < 8; ++i) store8(o + d0 + i * W, acc[i]);
+  }
+  for (; d0 + W <= Dv; d0 += W) {
+    vf8 acc = load8(o + d0);
+    for (int64_t j = j0; j < j1; ++j) acc = acc + p[j] * load8(v + j * ldv + d0);
+    store8(o + d0, acc);
+  }
+  for (; d0 < Dv; ++d0) {
+    float acc = o[d0];
+    for (int64_t j = j0; j < j1; ++j) acc += p[j] * v[j * ldv + d0];
+    o[d0] = acc;
+  }
+}
+
+void weighted_rows(const float* __restrict p, int64_t ldp, int64_t R, const int64_t* lo,
+                   const int64_t* n, const float* __restrict v, int64_t ldv, int64_t Dv,
+                   const float* norm, float* __restrict out) {
+  const int64_t span = std::max<int64_t>(8, 4096 / std::max<int64_t>(1, Dv));
+  const int64_t first = *std::min_element(lo, lo + R), last = *std::max_element(n, n + R);
+  std::fill(out, out + R * Dv, 0.0f);
+  for (int64_t j0 = first; j0 < last; j0 += span)
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t a = std::max(j0, lo[r]), b = std::min(j0 + span, n[r]);
+      if (a < b) weighted_span(p + r * ldp, a, b, v, ldv, Dv, out + r * Dv);
+    }
   for (int64_t r = 0; r < R; ++r) {
-    const float* pr = p + r * ldp;
-    float* o = out + r * Dv;
     const float inv = 1.0f / norm[r];
-    int64_t d0 = 0;
-    for (; d0 + BLOCK <= Dv; d0 += BLOCK) {
-      vf8 acc[8] = {};
-      for (int64_t j = lo[r]; j < n[r]; ++j) {
-        const float pj = pr[j];
-        const float* row = v + j * ldv + d0;
-        for (int i = 0; i < 8; ++i) acc[i] = acc[i] + pj * load8(row + i * W);
-      }
-      for (int i = 0; i < 8; ++i) store8(o + d0 + i * W, acc[i]);
-    }
-    for (; d0 + W <= Dv; d0 += W) {
-      vf8 acc = {};
-      for (int64_t j = lo[r]; j < n[r]; ++j) acc = acc + pr[j] * load8(v + j * ldv + d0);
-      store8(o + d0, acc);
-    }
-    for (; d0 < Dv; ++d0) {
-      float acc = 0.0f;
-      for (int64_t j = lo[r]; j < n[r]; ++j) acc += pr[j] * v[j * ldv + d0];
-      o[d0] = acc;
-    }
-    for (int64_t d = 0; d < Dv; ++d) o[d] *= inv;
+    for (int64_t d = 0; d < Dv; ++d) out[r * Dv + d] *= inv;
   }
 }
 
@@ -167,15 +198,12 @@ void attend_group(const AttentionJob& j, int64_t bk, std::vector<float>& buf) {
     }
   // Scores of all rows against all keys are a matrix-vector product with the
   // keys as weight rows: the matvec kernels read each key row once for all R rows.
-  best_isa().dense_rows[static_cast<int>(WType::f32)](q.data(), j.D, R, j.D, k, j.k.s2, scores,
-                                                      ldp, 0, n[R - 1]);
+  best_isa().key_rows(q.data(), j.D, R, j.D, k, j.k.s2, scores, ldp, 0, n[R - 1]);
   for (int64_t r = 0; r < R; ++r) {
     // From the row's first visible key, so its lanes line up as in a one-query call.
     float* s = scores + r * ldp + lo[r];
     const int64_t count = n[r] - lo[r];
-    float max = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < count; ++t) max = s[t] > max ? s[t] : max;
-    sums[r] = exp_shifted(s, count, max);
+    sums[r] = exp_shifted(s, count, max_of(s, count));
   }
   weighted_rows(scores, ldp, R, lo.data(), n.data(), v, j.v.s2, j.Dv, sums, out);
   for (int64_t m = 0; m < j.M; ++m)
@@ -200,8 +228,7 @@ void softmax_chunk(void* ctx, int64_t c) {
     float* o = j->out + r * j->L;
     const int64_t n = j->L - j->M + r % j->M + 1;
     const int64_t lo = j->window > 0 ? std::max<int64_t>(0, n - j->window) : 0;
-    float max = -std::numeric_limits<float>::infinity();
-    for (int64_t t = lo; t < n; ++t) max = x[t] > max ? x[t] : max;
+    const float max = max_of(x + lo, n - lo);
     std::memcpy(o + lo, x + lo, sizeof(float) * (n - lo));
     const float inv = 1.0f / exp_shifted(o + lo, n - lo, max);
     for (int64_t t = lo; t < n; ++t) o[t] *= inv;

@@ -61,6 +61,9 @@ struct IsaKernels {
   int q4_block;
   // Dense rows, indexed by WType.
   DenseRowsFn dense_rows[3];
+  // float32 dense_rows for many short weight rows (attention keys, K the head size):
+  // equal to dense_rows[f32] bit for bit, faster where K is small.
+  DenseRowsFn key_rows;
   void (*q_rows)(
       const float* x, int64_t ldx, int64_t M, int64_t K,
       const uint8_t* wq, int64_t ldq, const float* scales, const float* biases,

@@ -76,7 +76,7 @@ struct V {
 
 namespace arbor {
 const IsaKernels& isa_avx2() {
-  static const IsaKernels k{"avx2", 2 * V::W, ARBOR_DENSE_ROWS, &q_rows, &q4x8_rows};
+  static const IsaKernels k{"avx2", 2 * V::W, ARBOR_DENSE_ROWS, &dense_rows<float>, &q_rows, &q4x8_rows};
   return k;
 }
 }  // namespace arbor

@@ -83,7 +83,7 @@ void q4x8_rows(const arbor::QuantizedInputs& in, const uint8_t* wq, int64_t ldq,
 namespace arbor {
 const IsaKernels& isa_generic() {
   // A 2-value block split into (even, odd) is the natural order: no permutation.
-  static const IsaKernels k{"generic", 0, ARBOR_DENSE_ROWS, &q_rows, &q4x8_rows};
+  static const IsaKernels k{"generic", 0, ARBOR_DENSE_ROWS, &dense_rows<float>, &q_rows, &q4x8_rows};
   return k;
 }
 }  // namespace arbor

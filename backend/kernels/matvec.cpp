@@ -26,8 +26,10 @@
 #include "mlx/allocator.h"
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/stream.h"
+#include "mlx/transforms.h"
 #include "mlx/utils.h"
 #include "mlx/version.h"
 
@@ -313,6 +315,24 @@ NB_MODULE(_arbor_kernels, m) {
         "softmax(scale * q @ k.T [causal, aligned to the last key; only the last `window` keys "
         "when window > 0]) @ v for float32 q (B, Hq, M, D), k (B, Hkv, L, D), "
         "v (B, Hkv, L, Dv) -> (B, Hq, M, Dv).");
+  m.def("key_rows",
+        [](const mx::array& x, const mx::array& w) {
+          if (x.ndim() != 2 || w.ndim() != 2 || x.shape(1) != w.shape(1) ||
+              x.dtype() != mx::float32 || w.dtype() != mx::float32)
+            throw std::invalid_argument("[arbor.key_rows] expected float32 x (M, K), w (N, K)");
+          mx::array xr = mx::contiguous(x), wr = mx::contiguous(w);
+          mx::eval({xr, wr});
+          const int64_t M = x.shape(0), K = x.shape(1), N = w.shape(0);
+          std::vector<float> out(static_cast<size_t>(M * N));
+          if (M > 0 && N > 0)
+            arbor::best_isa().key_rows(xr.data<float>(), K, M, K, wr.data<float>(), K,
+                                       out.data(), N, 0, N);
+          return mx::array(out.begin(), mx::Shape{static_cast<int>(M), static_cast<int>(N)},
+                           mx::float32);
+        },
+        nb::arg("x"), nb::arg("w"),
+        "x @ w.T for float32 x (M, K), w (N, K) through the attention-scores kernel, at once "
+        "(not lazily): the tests hold it to matvec's result bit for bit.");
   m.def("causal_softmax",
         [](const mx::array& x, int64_t window) { return arbor::causal_softmax(x, window); },
         nb::arg("x"), nb::arg("window") = 0,
