@@ -96,14 +96,16 @@ def test_attention_queries_are_reduced_alike_whatever_their_count(K, window, hea
 
 @pytest.mark.parametrize("d", [64, 128, 80])
 @pytest.mark.parametrize("window", [None, 100])
-def test_long_query_blocks_are_reduced_alike_whatever_their_count(K, d, window):
+@pytest.mark.parametrize("heads", [(6, 2), (9, 3)])
+def test_long_query_blocks_are_reduced_alike_whatever_their_count(K, d, window, heads):
     """The same over hundreds of keys: the scores run in blocks of 16 keys and the values in
-    spans of a few KB, and a query's result must not depend on where those fall for it."""
-    hq, hkv, L, M = 6, 2, 300, 40
+    spans of a few KB, and with 3 kv heads on 2 threads each head's queries in two parts; a
+    query's result must not depend on where any of those fall for it."""
+    (hq, hkv), L, M = heads, 300, 40
     q = mx.random.normal((1, hq, M, d))
     k, v = mx.random.normal((1, hkv, L, d)), mx.random.normal((1, hkv, L, d))
     block = np.array(K.attention(q, k, v, 0.2, True, window))
-    for i in (0, 1, 17, M - 1):
+    for i in (0, 1, 17, 19, 20, M - 1):
         end = L - M + i + 1
         start = 0 if window is None else max(0, end - window)
         one = np.array(K.attention(q[:, :, i:i + 1], k[:, :, start:end], v[:, :, start:end],

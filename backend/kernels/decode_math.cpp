@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "kernels.h"
@@ -148,6 +149,7 @@ ARBOR_CLONES void weighted_span(const float* __restrict p, int64_t j0, int64_t j
 void weighted_rows(const float* __restrict p, int64_t ldp, int64_t R, const int64_t* lo,
                    const int64_t* n, const float* __restrict v, int64_t ldv, int64_t Dv,
                    const float* norm, float* __restrict out) {
+  if (R <= 0) return;
   const int64_t span = std::max<int64_t>(8, 4096 / std::max<int64_t>(1, Dv));
   const int64_t first = *std::min_element(lo, lo + R), last = *std::max_element(n, n + R);
   std::fill(out, out + R * Dv, 0.0f);
@@ -172,11 +174,13 @@ struct AttentionJob {
   int64_t out_head;  // rows between two heads' outputs (M, or a shared buffer's N)
 };
 
-// One (batch, kv head): the M query rows of each of its Hq / Hkv query heads,
-// handled together so every key and value row is read once. Runs on a pool
+// One (batch, kv head): query rows m0 .. m1 - 1 of each of its Hq / Hkv query heads,
+// handled together so every key and value row is read once for them. Runs on a pool
 // thread, so it calls the single-threaded row kernels directly.
-void attend_group(const AttentionJob& j, int64_t bk, std::vector<float>& buf) {
-  const int64_t b = bk / j.Hkv, hk = bk % j.Hkv, G = j.Hq / j.Hkv, R = G * j.M;
+void attend_group(const AttentionJob& j, int64_t bk, int64_t m0, int64_t m1,
+                  std::vector<float>& buf) {
+  const int64_t b = bk / j.Hkv, hk = bk % j.Hkv, G = j.Hq / j.Hkv, R = G * (m1 - m0);
+  if (R <= 0) return;
   const float* k = j.k.p + b * j.k.s0 + hk * j.k.s1;
   const float* v = j.v.p + b * j.v.s0 + hk * j.v.s1;
   const int64_t ldp = j.L;
@@ -188,9 +192,9 @@ void attend_group(const AttentionJob& j, int64_t bk, std::vector<float>& buf) {
   // keys lo .. L - M + m when causal, lo = the window's first).
   std::vector<int64_t> n(static_cast<size_t>(R)), lo(static_cast<size_t>(R));
   std::vector<float> q(static_cast<size_t>(R * j.D));
-  for (int64_t m = 0; m < j.M; ++m)
+  for (int64_t m = m0; m < m1; ++m)
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = m * G + g, h = hk * G + g;
+      const int64_t r = (m - m0) * G + g, h = hk * G + g;
       const float* src = j.q.p + b * j.q.s0 + h * j.q.s1 + m * j.q.s2;
       for (int64_t d = 0; d < j.D; ++d) q[r * j.D + d] = src[d] * j.scale;
       n[r] = j.causal ? j.L - j.M + m + 1 : j.L;
@@ -206,11 +210,11 @@ void attend_group(const AttentionJob& j, int64_t bk, std::vector<float>& buf) {
     sums[r] = exp_shifted(s, count, max_of(s, count));
   }
   weighted_rows(scores, ldp, R, lo.data(), n.data(), v, j.v.s2, j.Dv, sums, out);
-  for (int64_t m = 0; m < j.M; ++m)
+  for (int64_t m = m0; m < m1; ++m)
     for (int64_t g = 0; g < G; ++g) {
       const int64_t h = hk * G + g;
       std::memcpy(j.out + (((b * j.Hq + h) * j.out_head) + m) * j.Dv,
-                  out + (m * G + g) * j.Dv, sizeof(float) * j.Dv);
+                  out + ((m - m0) * G + g) * j.Dv, sizeof(float) * j.Dv);
     }
 }
 
@@ -237,20 +241,27 @@ void softmax_chunk(void* ctx, int64_t c) {
   }
 }
 
-void attend_chunk(void* ctx, int64_t c) {
-  thread_local std::vector<float> buf;
-  attend_group(*static_cast<AttentionJob*>(ctx), c, buf);
-}
-
+// Attention jobs (one per sequence) cut into chunks: (job, group, part of the queries).
 struct SegmentJobs {
   const AttentionJob* jobs;
-  int64_t groups;  // (kv head) groups per job
+  int64_t groups;  // (batch, kv head) groups per job
+  int64_t parts;   // query parts per group
 };
 
 void attend_segment_chunk(void* ctx, int64_t c) {
   thread_local std::vector<float> buf;
-  const auto* j = static_cast<SegmentJobs*>(ctx);
-  attend_group(j->jobs[c / j->groups], c % j->groups, buf);
+  const auto* s = static_cast<SegmentJobs*>(ctx);
+  const AttentionJob& j = s->jobs[c / (s->groups * s->parts)];
+  const int64_t part = c % s->parts, M = j.M;
+  attend_group(j, c / s->parts % s->groups, part * M / s->parts, (part + 1) * M / s->parts, buf);
+}
+
+// Query parts per group, so that the chunks share out evenly over the threads: 3 kv heads
+// alone leave one of 2 threads with two of them and the other waiting; in 2 parts each, 3
+// chunks go to each thread. A query's result does not depend on the part it falls in.
+int64_t query_parts(int64_t chunks, int64_t max_m, int threads) {
+  if (threads <= 1 || max_m < 2 || chunks >= 4 * threads) return 1;
+  return std::min<int64_t>(max_m, threads / std::gcd<int64_t>(chunks, threads));
 }
 
 // Below ~256k multiply-adds a pool hand-off costs more than it saves.
@@ -327,8 +338,9 @@ void attention(View3 q, View3 k, View3 v, int64_t B, int64_t Hq, int64_t Hkv, in
                float* out) {
   AttentionJob job{q, k, v, Hq, Hkv, M, L, D, Dv, scale, causal, window, out, M};
   const int64_t groups = B * Hkv;
-  const int64_t work = B * Hq * M * L * (D + Dv);
-  parallel_for(groups, work < kPoolWork ? 1 : max_threads(), &attend_chunk, &job);
+  const int threads = B * Hq * M * L * (D + Dv) < kPoolWork ? 1 : max_threads();
+  SegmentJobs chunks{&job, groups, query_parts(groups, M, threads)};
+  parallel_for(groups * chunks.parts, threads, &attend_segment_chunk, &chunks);
 }
 
 void attention_segments(const AttentionSegment* segments, int64_t count, int64_t Hq,
@@ -336,15 +348,17 @@ void attention_segments(const AttentionSegment* segments, int64_t count, int64_t
                         int64_t window) {
   std::vector<AttentionJob> jobs;
   jobs.reserve(static_cast<size_t>(count));
-  int64_t work = 0;
+  int64_t work = 0, max_m = 0;
   for (int64_t s = 0; s < count; ++s) {
     const AttentionSegment& g = segments[s];
     jobs.push_back(AttentionJob{g.q, g.k, g.v, Hq, Hkv, g.M, g.L, D, Dv, scale, causal, window,
                                 g.out, g.out_head});
     work += Hq * g.M * g.L * (D + Dv);
+    max_m = std::max(max_m, g.M);
   }
-  SegmentJobs job{jobs.data(), Hkv};
-  parallel_for(count * Hkv, work < kPoolWork ? 1 : max_threads(), &attend_segment_chunk, &job);
+  const int threads = work < kPoolWork ? 1 : max_threads();
+  SegmentJobs job{jobs.data(), Hkv, query_parts(count * Hkv, max_m, threads)};
+  parallel_for(count * Hkv * job.parts, threads, &attend_segment_chunk, &job);
 }
 
 void causal_softmax(const float* x, int64_t rows, int64_t M, int64_t L, int64_t window,
