@@ -126,6 +126,32 @@ def test_attention_scores_kernel_equals_the_product_kernel_bit_for_bit(K, k, m):
                                       np.array(K.matvec(x, w)), err_msg=f"N={n}")
 
 
+def test_the_avx2_scores_kernel_equals_its_product_kernel(K):
+    """The AVX2 build has its own 8-lane tree (on an AVX-512 CPU only ARBOR_MATVEC_ISA=avx2
+    reaches it): its scores must equal its matvec bit for bit as well."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    if not {"avx2", "fma", "f16c"} <= set(flags):
+        pytest.skip("this CPU has no AVX2")
+    script = (
+        "import numpy as np, backend, mlx.core as mx\n"
+        "from backend import kernels\n"
+        "assert kernels.isa() == 'avx2', kernels.isa()\n"
+        "for k in (32, 64, 128):\n"
+        "    for m in (1, 5, 53):\n"
+        "        x, w = mx.random.normal((m, k)), mx.random.normal((37, k))\n"
+        "        np.testing.assert_array_equal(np.array(kernels._mod().key_rows(x, w)),\n"
+        "                                      np.array(kernels.matvec(x, w)))\n")
+    subprocess.run([sys.executable, "-c", script], check=True,
+                   env=dict(os.environ, ARBOR_MATVEC_ISA="avx2"),
+                   cwd=Path(__file__).resolve().parents[1])
+
+
 def test_attention_argument_errors(K):
     q = mx.zeros((1, 3, 1, 16))
     with pytest.raises(ValueError, match="multiple of Hkv"):
