@@ -75,10 +75,6 @@ def _engine(args: argparse.Namespace, cache=None, max_batch: int = 1):
                        max_batch=max_batch, exact_prefill=getattr(args, "exact_prefill", False))
 
 
-# Requests `arbor serve` runs together: each step's rows cost time (a CPU computes every row),
-# so 8 replies at once keep each stream near 40% of its speed alone (arbor bench batch).
-DEFAULT_MAX_BATCH = 8
-
 
 def _positive(text: str) -> int:
     if not (text.isdigit() and int(text) >= 1):
@@ -169,9 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("ARBOR_API_KEY") or None,
                        metavar="KEY", help="require 'Authorization: Bearer KEY' on every "
                        "request (default: $ARBOR_API_KEY)")
-    serve.add_argument("--max-batch", type=_positive, default=DEFAULT_MAX_BATCH, metavar="N",
+    from backend.scheduler import MOST_DEFAULT_BATCH, ROWS_PER_CORE, default_max_batch
+
+    max_batch = default_max_batch()
+    serve.add_argument("--max-batch", type=_positive, default=max_batch, metavar="N",
                        help=f"most requests generating at once, in one batched step each; "
-                       f"the rest wait in arrival order (default: {DEFAULT_MAX_BATCH})")
+                       f"the rest wait in arrival order (default here: {max_batch}: "
+                       f"{ROWS_PER_CORE} per core, {MOST_DEFAULT_BATCH} on a GPU)")
     _cache_args(serve)
 
     gen = sub.add_parser("generate", help="generate once and exit")

@@ -17,6 +17,7 @@ import pytest
 
 import backend.memory.budgets as budgets_module
 from backend.memory.budgets import MIB, CacheConfig
+from backend.scheduler import default_max_batch
 from backend.server.run import is_loopback
 from desktop.cli import _cache_config, build_parser, cmd_chat, main
 from tests.fixtures.server import WAIT_S, get_json
@@ -114,6 +115,17 @@ def test_help_shows_this_machines_default_budgets(capsys, steady_disk):
                         ("disk", budgets.disk_bytes)):
         assert f"--cache-{tier}-mb N {tier} tier budget in MiB (default here: " \
                f"{value // MIB})" in out
+
+
+def test_the_default_batch_follows_the_cores_this_process_may_use(capsys):
+    assert [default_max_batch(cpus, gpu=False) for cpus in (1, 2, 3, 8, 64)] == [4, 8, 12, 32, 32]
+    assert default_max_batch(1, gpu=True) == 32
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    here = default_max_batch()
+    assert f"(default here: {here}: 4 per core, 32 on a GPU)" in out
+    assert build_parser().parse_args(["serve"]).max_batch == here
 
 
 @pytest.mark.parametrize("flag, value", [("--cache-host-mb", "-1"), ("--port", "70000")])
