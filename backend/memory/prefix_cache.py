@@ -21,9 +21,9 @@ window, recurrent state) the state at ``end`` or nothing (a node cut out of a lo
 state of its own). Each node's data sits on one or more tiers at once: ``device`` (the caches'
 own snapshots, MLX arrays; lazy views of the live buffer cost nothing until the live cache
 overwrites them), ``host`` (numpy ``SnapshotRecord``s) and ``disk`` (one file, see ``disk.py``).
-Every change of residency goes through one helper per transition (``_set_device``,
-``_drop_device``, ``_set_host``, ``_drop_host``, ``_set_disk``, ``_drop_disk``), which is also the
-only place the byte and entry counters change.
+Every change of residency goes through one method per transition of the ``TierLedger``
+(``tiers.py``: ``set_device``, ``drop_device``, ``set_host``, ``drop_host``, ``set_disk``,
+``drop_disk``), which is also the only place the byte and entry counters change.
 
 Matching (``begin``). The longest stored prefix of the prompt, capped so that at least one
 prompt token is evaluated. Span layers reach any position of it (rewind the live cache, then
