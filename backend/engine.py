@@ -498,6 +498,17 @@ class Engine:
             return lane.drafter
         return PromptLookupDrafter(cold_min_ngram=LOOKUP_COLD_MIN_NGRAM)
 
+    def prepare(self) -> None:
+        """Settle now what the first drafting reply would otherwise stop to settle: the default
+        drafter's round costs (``round_costs``: the stored profile, or measured once per model,
+        dtype and machine, a second or two on a CPU). Loading leaves it out so that a window
+        can show the model at once: the app runs this right after, and ``arbor serve`` before
+        it answers."""
+        drafter = self.drafter_for(GenerateRequest(prompt_ids=[0]), self.lanes[0])
+        if drafter is not None:
+            with self._lock:
+                self.depth(drafter.kind)
+
     def depth(self, kind: str) -> DepthController:
         """One controller per drafter kind, kept across requests (costs and acceptance),
         knowing the round costs from the first round on where they can be measured."""

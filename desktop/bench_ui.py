@@ -165,6 +165,9 @@ class ReplayEngine:
         words = sum(len(str(m.get("content", "")).split()) for m in messages)
         return ContextFit(messages, list(range(words)), 0, words, self.info.context_length)
 
+    def prepare(self) -> None:
+        pass  # no drafter
+
     def prefetch(self, messages=None, prompt_ids=None, cancel=None) -> int:
         return 0
 

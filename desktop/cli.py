@@ -390,7 +390,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def load():
         engine_started.set()
-        return _engine(args, cache=cache, max_batch=args.max_batch)
+        engine = _engine(args, cache=cache, max_batch=args.max_batch)
+        engine.prepare()  # before the first request, not in it
+        return engine
 
     code = 1  # a bug: its traceback is printed
     try:

@@ -70,6 +70,8 @@ class ChatEngine(Protocol):
 
     def stop(self, stream: Any) -> None: ...
 
+    def prepare(self) -> None: ...
+
     def prefetch(self, messages: list | None = None, prompt_ids: list[int] | None = None,
                  cancel: threading.Event | None = None) -> int: ...
 
@@ -192,6 +194,12 @@ class InferenceWorker(Worker):
             return
         self._engine = engine  # the previous engine is released here, on this thread
         self.end(request_id, self.model_loaded, info)
+        # Now, not at the first send: what the first drafting reply would stop to measure (a
+        # send that comes meanwhile waits as it would have there).
+        try:
+            engine.prepare()
+        except Exception:  # noqa: BLE001 - an optimization: the reply measures it instead
+            log.warning("preparing the drafter's round costs failed", exc_info=True)
 
     @Slot()
     def close_engine(self) -> None:

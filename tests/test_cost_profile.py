@@ -80,6 +80,25 @@ def test_the_first_drafting_reply_stores_a_profile_that_a_fresh_engine_reuses(ti
     assert stored(fresh)["costs"] == SENTINEL  # read, not measured again
 
 
+def profile_files() -> list:
+    return [f for f in paths.profiles_dir().glob("*.json") if f.name != "hashes.json"] \
+        if paths.profiles_dir().exists() else []
+
+
+def test_prepare_settles_the_costs_so_the_first_reply_measures_nothing(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    plain = Engine.load(str(folder), cache=CacheConfig.memory_only(), speculation="none")
+    plain.prepare()  # nothing to settle without a drafter
+    assert profile_files() == []
+    engine = lookup_engine(folder)
+    engine.prepare()
+    (path,) = profile_files()
+    assert engine.depth("lookup").cost == {int(d): s for d, s in stored(engine)["costs"].items()}
+    path.unlink()
+    reply(engine, [5, 6, 7, 8, 5, 6, 7], n=6)
+    assert profile_files() == []  # the reply neither measured nor stored them again
+
+
 def test_no_profile_without_drafting_or_with_a_fixed_depth(tiny_model_dir):
     folder = tiny_model_dir("llama")
     reply(Engine.load(str(folder), cache=CacheConfig.memory_only(), speculation="none"),

@@ -4,6 +4,7 @@ flags (shared with `arbor chat`), and a real server process started, used and st
 from __future__ import annotations
 
 import io
+import os
 import queue
 import shutil
 import signal
@@ -135,20 +136,24 @@ def test_bad_flag_values_are_one_line(capsys, flag, value):
     assert_one_line_error(info.value.code, capsys.readouterr().err, flag)
 
 
-def test_a_served_process_with_a_key_on_all_addresses(tiny_model_dir):
-    """The real command: every address with a key, the cache flags reach the engine, 401
-    without the key, a reply with it, and Ctrl-C stops it cleanly (exit status 0)."""
+def test_a_served_process_with_a_key_on_all_addresses(tiny_model_dir, tmp_path):
+    """The real command: every address with a key, the cache flags reach the engine, the
+    drafter's round costs settled before it answers, 401 without the key, a reply with it, and
+    Ctrl-C stops it cleanly (exit status 0)."""
+    profiles = tmp_path / "profiles"
     proc = subprocess.Popen(
         [sys.executable, "-m", "desktop.cli", "serve", "--model", str(tiny_model_dir("llama")),
          "--host", "0.0.0.0", "--port", "0", "--api-key", "sesame",
          "--cache-device-mb", "64", "--no-disk-cache"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "ARBOR_PROFILES_DIR": str(profiles)})
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout],
                      daemon=True).start()
     try:
         announced = lines.get(timeout=WAIT_S)
         assert announced.startswith("arbor serve: ") and "(API key required)" in announced
+        assert [f for f in profiles.glob("*.json") if f.name != "hashes.json"]
         port = int(announced.split("http://0.0.0.0:")[1].split("/")[0])
         url = f"http://127.0.0.1:{port}"
         model = announced.split()[2]

@@ -64,6 +64,16 @@ def test_send_streams_then_stores_reply_with_stats(qtbot, launch):
     assert w.conversations.data(w.conversations.index(1)) == "Hello, Arbor!"  # auto title, row 0 is "Today"
 
 
+def test_the_drafters_round_costs_are_settled_after_loading_not_at_the_first_send(
+        qtbot, launch, tmp_path, monkeypatch):
+    profiles = tmp_path / "profiles"
+    monkeypatch.setenv("ARBOR_PROFILES_DIR", str(profiles))
+    parts = launch()
+    assert parts.window.store.list_conversations() == []  # nothing was sent
+    qtbot.waitUntil(lambda: any(f.name != "hashes.json" for f in profiles.glob("*.json")),
+                    timeout=30000)
+
+
 def test_stop_mid_reply_keeps_the_partial_text(qtbot, launch):
     parts = launch(allowance=0)
     w = parts.window
