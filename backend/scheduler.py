@@ -23,7 +23,6 @@ beside theirs in the device budget; alone it always runs, so no request waits fo
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Generator
@@ -44,33 +43,6 @@ MAX_GROUP_ROWS = kernels.MAX_KERNEL_ROWS
 #: tokens (decode rows first, a prefilling sequence at least ``MIN_PREFILL_ROWS``).
 STEP_ROWS = 16
 MIN_PREFILL_ROWS = 4
-
-#: What a server batches by default. On a CPU every row of a step costs compute, so a core
-#: takes about 4 rows before each stream falls under ~40% of its speed alone (arbor bench
-#: batch: 8 rows on 2 cores); a GPU takes rows almost free up to the cap (mlx-lm's server's
-#: decode concurrency too).
-ROWS_PER_CORE = 4
-FEWEST_DEFAULT_BATCH, MOST_DEFAULT_BATCH = 4, 32
-
-
-def usable_cpus() -> int:
-    """The cores this process may run on (a container's or ``taskset``'s share, not the host's)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
-
-
-def default_max_batch(cpus: int | None = None, gpu: bool | None = None) -> int:
-    """Requests a server runs at once unless told (``arbor serve --max-batch``): on a GPU the
-    most, on a CPU ``ROWS_PER_CORE`` per usable core, between the fewest and the most."""
-    if gpu is None:
-        gpu = mx.default_device().type == mx.DeviceType.gpu
-    if gpu:
-        return MOST_DEFAULT_BATCH
-    cpus = usable_cpus() if cpus is None else cpus
-    return max(FEWEST_DEFAULT_BATCH, min(MOST_DEFAULT_BATCH, ROWS_PER_CORE * cpus))
-
 
 Event = TokenEvent | DoneEvent
 

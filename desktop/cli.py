@@ -75,7 +75,6 @@ def _engine(args: argparse.Namespace, cache=None, max_batch: int = 1):
                        max_batch=max_batch, exact_prefill=getattr(args, "exact_prefill", False))
 
 
-
 def _positive(text: str) -> int:
     if not (text.isdigit() and int(text) >= 1):
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
@@ -165,13 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get("ARBOR_API_KEY") or None,
                        metavar="KEY", help="require 'Authorization: Bearer KEY' on every "
                        "request (default: $ARBOR_API_KEY)")
-    from backend.scheduler import MOST_DEFAULT_BATCH, ROWS_PER_CORE, default_max_batch
+    from backend.batch_default import MOST, ROWS_PER_CORE, default_max_batch
 
-    max_batch = default_max_batch()
-    serve.add_argument("--max-batch", type=_positive, default=max_batch, metavar="N",
+    serve.add_argument("--max-batch", type=_positive, metavar="N",
                        help=f"most requests generating at once, in one batched step each; "
-                       f"the rest wait in arrival order (default here: {max_batch}: "
-                       f"{ROWS_PER_CORE} per core, {MOST_DEFAULT_BATCH} on a GPU)")
+                       f"the rest wait in arrival order (default: {ROWS_PER_CORE} per core, "
+                       f"here {default_max_batch(gpu=False)}; {MOST} on a GPU)")
     _cache_args(serve)
 
     gen = sub.add_parser("generate", help="generate once and exit")
@@ -390,7 +388,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     def load():
         engine_started.set()
-        engine = _engine(args, cache=cache, max_batch=args.max_batch)
+        from backend.batch_default import default_max_batch
+
+        engine = _engine(args, cache=cache, max_batch=args.max_batch or default_max_batch())
         engine.prepare()  # before the first request, not in it
         return engine
 

@@ -18,7 +18,7 @@ import pytest
 
 import backend.memory.budgets as budgets_module
 from backend.memory.budgets import MIB, CacheConfig
-from backend.scheduler import default_max_batch
+from backend.batch_default import default_max_batch
 from backend.server.run import is_loopback
 from desktop.cli import _cache_config, build_parser, cmd_chat, main
 from tests.fixtures.server import WAIT_S, get_json
@@ -124,9 +124,17 @@ def test_the_default_batch_follows_the_cores_this_process_may_use(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    here = default_max_batch()
-    assert f"(default here: {here}: 4 per core, 32 on a GPU)" in out
-    assert build_parser().parse_args(["serve"]).max_batch == here
+    here = default_max_batch(gpu=False)
+    assert f"(default: 4 per core, here {here}; 32 on a GPU)" in out
+    assert build_parser().parse_args(["serve"]).max_batch is None  # the serve command asks
+
+
+def test_parsing_the_command_line_does_not_import_mlx():
+    """``arbor app`` shows its window before MLX loads: the parser (its --help texts too) must
+    not import it."""
+    code = ("import sys; from desktop.cli import build_parser; build_parser(); "
+            "sys.exit('mlx.core' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 @pytest.mark.parametrize("flag, value", [("--cache-host-mb", "-1"), ("--port", "70000")])
