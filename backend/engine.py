@@ -504,7 +504,7 @@ class Engine:
         dtype and machine, a second or two on a CPU). Loading leaves it out so that a window
         can show the model at once: the app runs this right after, and ``arbor serve`` before
         it answers."""
-        drafter = self.drafter_for(GenerateRequest(prompt_ids=[0]), self.lanes[0])
+        drafter = self.drafter_for(GenerateRequest(), self.lanes[0])  # a request's default
         if drafter is not None:
             with self._lock:
                 self.depth(drafter.kind)
