@@ -51,7 +51,7 @@ _SOURCES = (
     ("kernels_avx2.cpp", ("-mavx2", "-mfma", "-mf16c")),
     ("kernels_avx512.cpp", ("-mavx512f", "-mavx2", "-mfma", "-mf16c")),
 )
-_HEADERS = ("kernels.h", "kernels_impl.h", "kernels_keys.h", "kernels_q4x8.h", "decode_ops.h",
+_HEADERS = ("kernels.h", "kernels_impl.h", "kernels_keys.h", "kernels_q4x8.h", "kernels_panels.h", "decode_ops.h",
             "layer_ops.h", "mlx_glue.h", "gather_ops.h")
 
 

@@ -346,6 +346,41 @@ void matvec_dense(
   Pool::get().run(chunks, threads_for(chunks), &dense_chunk, &job);
 }
 
+namespace {
+
+struct PanelJob {
+  const float* x;
+  int64_t ldx, M, K;
+  const float* panels;
+  int64_t P;  // panels in all
+  float* out;
+  int64_t N, per_chunk;  // panels per chunk
+};
+
+void panel_chunk(void* ctx, int64_t c) {
+  auto* j = static_cast<PanelJob*>(ctx);
+  const int64_t p0 = c * j->per_chunk, p1 = std::min(j->P, p0 + j->per_chunk);
+  best_isa().panel_rows(j->x, j->ldx, j->M, j->K, j->panels, j->out, j->N, p0, p1);
+}
+
+}  // namespace
+
+void matvec_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const float* panels,
+                   int64_t N, float* out) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    std::memset(out, 0, sizeof(float) * M * N);
+    return;
+  }
+  // A chunk's panels stay in L2 while the tiles of x rows pass over them: 8 panels (a
+  // one-row tile takes 8 at once) for a few rows, about 256 KiB of panels for many.
+  const int64_t P = N / kPanel, panel_bytes = K * kPanel * 4;
+  const int64_t per_chunk = M <= 8 ? 8 : std::max<int64_t>(2, (256 * 1024 / panel_bytes) & ~1);
+  PanelJob job{x, ldx, M, K, panels, P, out, N, per_chunk};
+  const int64_t chunks = (P + per_chunk - 1) / per_chunk;
+  Pool::get().run(chunks, threads_for(chunks), &panel_chunk, &job);
+}
+
 void matvec_q(
     const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* wq,
     int64_t ldq, const float* scales, const float* biases, int64_t ldsb,

@@ -74,6 +74,10 @@ struct IsaKernels {
       const QuantizedInputs& in, const uint8_t* wq, int64_t ldq, const float* scales,
       const float* biases, int64_t ldsb, int group_size, float* out, int64_t ldo,
       int64_t n0, int64_t n1);
+  // float32 weights in panels (kernels_panels.h): the outputs of panels [p0, p1).
+  void (*panel_rows)(
+      const float* x, int64_t ldx, int64_t M, int64_t K, const float* panels, float* out,
+      int64_t ldo, int64_t p0, int64_t p1);
 };
 
 const IsaKernels& isa_generic();
@@ -99,6 +103,14 @@ void matvec_dense(
     const float* x, int64_t ldx, int64_t M, int64_t K,
     const void* w, WType wtype, int64_t ldw, int64_t N, float* out);
 
+// The same product for float32 weights in panels: N / kPanel panels of K x kPanel values,
+// value (n, k) at panels[(n / kPanel) * K * kPanel + k * kPanel + n % kPanel]
+// (backend.kernels.pack_panels: an MLX array of shape (N / kPanel, K, kPanel)).
+// Each output is one chain of fused multiply-adds over k in order, so a row's result is the
+// same whatever M is, and the same on AVX-512 and AVX2.
+constexpr int64_t kPanel = 16;
+void matvec_panels(const float* x, int64_t ldx, int64_t M, int64_t K, const float* panels,
+                   int64_t N, float* out);
 void matvec_q(
     const float* x, int64_t ldx, int64_t M, int64_t K,
     const uint8_t* wq, int64_t ldq, const float* scales, const float* biases,

@@ -22,6 +22,10 @@ struct V {
   // No wide dense tiles: 16 registers cannot hold their 16 accumulators, and with
   // prefetching the one-row tiles do as well at 8-16 rows (measured).
   static constexpr int WIDE_M = 0;
+  // Panel tiles (kernels_panels.h): a panel is two registers; 4 x rows x 1 panel (or 1 row x
+  // 4 panels) fill 8 accumulators, leaving room for the weights and the broadcast x.
+  static constexpr int PANEL_MT = 4;
+  static constexpr int PANEL_ACC = 8;
   static inline R zero() { return _mm256_setzero_ps(); }
   static inline R load(const float* p) { return _mm256_loadu_ps(p); }
   static inline R load_n(const float* p, int n) {
@@ -92,12 +96,14 @@ struct V {
 #include "kernels_impl.h"
 #include "kernels_keys.h"
 #include "kernels_q4x8.h"
+#include "kernels_panels.h"
 
 }  // namespace
 
 namespace arbor {
 const IsaKernels& isa_avx2() {
-  static const IsaKernels k{"avx2", 2 * V::W, ARBOR_DENSE_ROWS, &key_rows, &q_rows, &q4x8_rows};
+  static const IsaKernels k{"avx2", 2 * V::W, ARBOR_DENSE_ROWS, &key_rows, &q_rows, &q4x8_rows,
+                            &panel_rows};
   return k;
 }
 }  // namespace arbor

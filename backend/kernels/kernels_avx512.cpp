@@ -18,6 +18,9 @@ struct V {
   // From 12 x rows, dense tiles of 4 weight rows (32 registers hold their 16 accumulators;
   // at 8 rows the prefetched one-row tiles were as fast).
   static constexpr int WIDE_M = 12;
+  // Panel tiles (kernels_panels.h): 8 x rows, 16 accumulator registers (8 rows x 2 panels).
+  static constexpr int PANEL_MT = 8;
+  static constexpr int PANEL_ACC = 16;
   static inline R zero() { return _mm512_setzero_ps(); }
   static inline R load(const float* p) { return _mm512_loadu_ps(p); }
   static inline R load_n(const float* p, int n) {
@@ -94,6 +97,7 @@ struct V {
 
 #include "kernels_impl.h"
 #include "kernels_q4x8.h"
+#include "kernels_panels.h"
 
 #include "kernels_keys.h"
 
@@ -101,7 +105,8 @@ struct V {
 
 namespace arbor {
 const IsaKernels& isa_avx512() {
-  static const IsaKernels k{"avx512", 2 * V::W, ARBOR_DENSE_ROWS, &key_rows, &q_rows, &q4x8_rows};
+  static const IsaKernels k{"avx512", 2 * V::W, ARBOR_DENSE_ROWS, &key_rows, &q_rows, &q4x8_rows,
+                            &panel_rows};
   return k;
 }
 }  // namespace arbor

@@ -10,10 +10,13 @@ struct V {
   static constexpr int U_F32 = 4;
   static constexpr int MT_Q = 2;
   static constexpr int WIDE_M = 0;
+  static constexpr int PANEL_MT = 1;
+  static constexpr int PANEL_ACC = 16;  // one panel: 16 scalar chains
   static inline R zero() { return 0.0f; }
   static inline R load(const float* p) { return *p; }
   static inline R load_n(const float* p, int n) { return n > 0 ? *p : 0.0f; }
   static inline R set1(float f) { return f; }
+  static inline void store(float* p, R v) { *p = v; }
 
   static inline float from_bits(uint32_t u) {
     float f;
@@ -51,6 +54,7 @@ struct V {
 };
 
 #include "kernels_impl.h"
+#include "kernels_panels.h"
 
 // 4-bit weights against int8 inputs (see kernels_q4x8.h for the layout): each block's
 // integer sum exactly, then its two scales in float32.
@@ -83,7 +87,8 @@ void q4x8_rows(const arbor::QuantizedInputs& in, const uint8_t* wq, int64_t ldq,
 namespace arbor {
 const IsaKernels& isa_generic() {
   // A 2-value block split into (even, odd) is the natural order: no permutation.
-  static const IsaKernels k{"generic", 0, ARBOR_DENSE_ROWS, &dense_rows<float>, &q_rows, &q4x8_rows};
+  static const IsaKernels k{"generic", 0, ARBOR_DENSE_ROWS, &dense_rows<float>, &q_rows, &q4x8_rows,
+                            &panel_rows};
   return k;
 }
 }  // namespace arbor

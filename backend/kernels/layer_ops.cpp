@@ -46,7 +46,7 @@ struct Weight {
 size_t weight_arrays(int bits) { return bits ? 3 : 1; }
 
 int64_t weight_rows(const std::vector<mx::array>& in, const Weight& w) {
-  return in[w.at].shape(0);
+  return w.bits ? in[w.at].shape(0) : dense_outputs(in[w.at]);
 }
 
 int64_t weight_cols(const std::vector<mx::array>& in, const Weight& w) {
@@ -333,7 +333,8 @@ Weight take_weight(const char* op, const char* what, const WeightArg& arg, int64
                  ", got " + std::to_string(arrays.size()) + " arrays.");
   const auto& w = arrays[0];
   Weight spec{inputs.size(), bits, group_size, int8_inputs};
-  if (w.ndim() != 2) fail(op, std::string(what) + ": expected a matrix, got " + shape_str(w) + ".");
+  if (w.ndim() != 2 && (bits || !is_panels(w)))
+    fail(op, std::string(what) + ": expected a matrix (or float32 panels), got " + shape_str(w) + ".");
   if (bits) {
     const auto& sc = arrays[1];
     const auto& bi = arrays[2];
@@ -411,9 +412,10 @@ MlpWeights take_mlp(const char* op, int64_t H, int64_t A, const WeightArg& o,
                     const WeightArg& gate_up, const WeightArg& down,
                     std::vector<mx::array>& inputs) {
   const auto& gu = std::get<0>(gate_up);
-  if (gu.empty() || gu[0].ndim() != 2 || gu[0].shape(0) % 2 != 0)
+  const int64_t gu_rows = gu.empty() ? 0 : gu.size() == 1 ? dense_outputs(gu[0]) : gu[0].shape(0);
+  if (gu_rows == 0 || gu_rows % 2 != 0)
     fail(op, "gate_up: expected the gate and up rows stacked (2 * I rows).");
-  const int64_t I = gu[0].shape(0) / 2;
+  const int64_t I = gu_rows / 2;
   MlpWeights w;
   w.o = take_weight(op, "o", o, H, A, inputs);
   w.gate_up = take_weight(op, "gate_up", gate_up, 2 * I, H, inputs);

@@ -59,7 +59,7 @@ class Matvec : public mx::UnaryPrimitive {
     enc.set_input_array(x);
     enc.set_input_array(w);
     enc.set_output_array(out);
-    const int64_t K = w.shape(1), N = w.shape(0);
+    const int64_t K = w.shape(1), N = dense_outputs(w);
     const int64_t M = N > 0 ? static_cast<int64_t>(out.size()) / N : 0;
     enc.dispatch([x = mx::array::unsafe_weak_copy(x),
                   w = mx::array::unsafe_weak_copy(w),
@@ -79,7 +79,7 @@ class Matvec : public mx::UnaryPrimitive {
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     mx::Shape s = inputs[0].shape();
-    s.back() = inputs[1].shape(0);
+    s.back() = static_cast<int>(dense_outputs(inputs[1]));
     return {s};
   }
 };
@@ -189,9 +189,10 @@ class Dequantize : public mx::UnaryPrimitive {
 // Ops (graph construction; shapes and dtypes are checked here, eagerly).
 
 mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = {}) {
-  if (x.ndim() < 1 || w.ndim() != 2 || x.shape(-1) != w.shape(1)) {
+  if (x.ndim() < 1 || (w.ndim() != 2 && !is_panels(w)) || x.shape(-1) != w.shape(1)) {
     throw std::invalid_argument(
-        "[arbor.matvec] expected x (..., K) and w (N, K), got x " + shape_str(x) +
+        "[arbor.matvec] expected x (..., K) and w (N, K) or float32 panels (N / 16, K, 16), "
+        "got x " + shape_str(x) +
         " and w " + shape_str(w) + ".");
   }
   const auto wt = w.dtype();
@@ -203,7 +204,7 @@ mx::array matvec(const mx::array& x, const mx::array& w, mx::StreamOrDevice s = 
         " x " + shape_str(x) + " and " + dtype_str(w.dtype()) + " w " + shape_str(w) + ".");
   }
   mx::Shape out_shape = x.shape();
-  out_shape.back() = w.shape(0);
+  out_shape.back() = static_cast<int>(dense_outputs(w));
   return mx::array(out_shape, mx::float32, std::make_shared<Matvec>(cpu_stream(s)), {x, w});
 }
 

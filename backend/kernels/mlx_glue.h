@@ -140,12 +140,32 @@ inline const float* x_rows(const mx::array& x, std::vector<char>& scratch) {
   return reinterpret_cast<const float*>(scratch.data());
 }
 
+// The outputs of a dense weight: N of an (N, K) matrix, or of float32 panels (N / kPanel, K,
+// kPanel).
+inline bool is_panels(const mx::array& w) {
+  return w.ndim() == 3 && w.shape(2) == kPanel && w.dtype() == mx::float32;
+}
+
+inline int64_t dense_outputs(const mx::array& w) {
+  return w.ndim() == 3 ? w.shape(0) * w.shape(2) : w.shape(0);
+}
+
 // out (M x N) = x (M x K rows, contiguous) @ w.T for a dense w (N x K: float32,
-// bfloat16 or float16); the product every dense matvec primitive runs.
+// bfloat16 or float16, or float32 panels); the product every dense matvec primitive runs.
 inline void dense_product(const float* x, int64_t M, int64_t K, const mx::array& w, float* out) {
-  const int64_t N = w.shape(0);
+  const int64_t N = dense_outputs(w);
   if (M == 0 || N == 0) return;
   std::vector<char> ws;
+  if (w.ndim() == 3) {
+    const float* panels = w.flags().row_contiguous ? w.data<float>() : nullptr;
+    if (panels == nullptr) {
+      ws.resize(w.nbytes());
+      gather(w, ws.data());
+      panels = reinterpret_cast<const float*>(ws.data());
+    }
+    matvec_panels(x, K, M, K, panels, N, out);
+    return;
+  }
   int64_t ldw = K;
   const void* wp = K > 0 ? rows_of(w, ldw, ws) : nullptr;
   const WType wt = w.dtype() == mx::bfloat16 ? WType::bf16

@@ -34,12 +34,15 @@ def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
 
 
 class KernelLinear(nn.Module):
-    """Linear layer with float32 activations and float32 or 16-bit weights: kernel matvec for
-    few rows, BLAS (on weights widened to float32) otherwise."""
+    """Linear layer with float32 activations and float32 or 16-bit weights: float32 weights
+    (out a multiple of 16) as panels (``kernels.pack_panels``: (out / 16, in, 16)) that the
+    kernel takes for any number of rows; others row-major, kernel matvec for few rows, BLAS
+    (on weights widened to float32) otherwise."""
 
     def __init__(self, weight: mx.array, bias: mx.array | None):
         super().__init__()
-        self.weight = weight  # (out, in)
+        # (out, in), or its panels
+        self.weight = kernels.pack_panels(weight) if kernels.panels_apply(weight) else weight
         if bias is not None:
             self.bias = bias
 
@@ -125,15 +128,16 @@ class StackedProjections:
     def __init__(self, layers: list[nn.Module], names: list[str]):
         self.layers = layers
         self.quantized = isinstance(layers[0], KernelQuantizedLinear)
-        self.widths = [layer.weight.shape[0] for layer in layers]
+        self.widths = [kernels.outputs(layer.weight) for layer in layers]
         self.stacked: dict[str, mx.array] = {}
         for name in names:
             whole = mx.concatenate([layer[name] for layer in layers], axis=0)
             mx.eval(whole)
             self.stacked[name] = whole
+            unit = kernels.PANEL if whole.ndim == 3 else 1  # panels hold 16 outputs each
             start = 0
             for layer, width in zip(layers, self.widths):
-                layer[name] = whole[start:start + width]
+                layer[name] = whole[start // unit:(start + width) // unit]
                 start += width
             mx.eval([layer[name] for layer in layers])
         self.splits = [sum(self.widths[:i]) for i in range(1, len(layers))]
@@ -150,6 +154,7 @@ class StackedProjections:
         if len({"bias" in layer for layer in layers}) != 1:
             return None
         same = all(layer.weight.shape[1] == first.weight.shape[1]
+                   and layer.weight.ndim == first.weight.ndim
                    and layer.weight.dtype == first.weight.dtype for layer in layers)
         names = ["weight"] + (["bias"] if "bias" in first else [])
         if isinstance(first, KernelQuantizedLinear):
