@@ -43,13 +43,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default: float32 on CPU, bfloat16 on GPU)")
-    p.add_argument("--exact-prefill", action="store_true",
+    p.add_argument("--exact-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill in 64-token chunks through the row-invariant kernels, so a "
                    "reply from a cached prefix equals a cold start's bit for bit and a long "
                    "prompt is fed between other replies' tokens instead of holding them for "
-                   "a 2048-token chunk (uncached prompts of a few hundred tokens and more "
-                   "prefill 1.2-1.5x slower: `arbor bench` prints it; bench batch and cache "
-                   "pass the flag to the server)")
+                   "a 2048-token chunk (default: on for float32 models, where it costs "
+                   "nothing; quantized ones prefill 1.5-1.7x slower so: `arbor bench` prints "
+                   "it; bench batch and cache pass the flag to the server)")
 
 
 def _draft_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +72,7 @@ def _engine(args: argparse.Namespace, cache=None, max_batch: int = 1):
     speculation = "none" if args.no_draft else "lookup" if args.draft_lookup else "auto"
     return Engine.load(args.model, args.dtype, cache=cache, draft=args.draft,
                        speculation=speculation, draft_depth=args.draft_depth,
-                       max_batch=max_batch, exact_prefill=getattr(args, "exact_prefill", False))
+                       max_batch=max_batch, exact_prefill=getattr(args, "exact_prefill", None))
 
 
 def _positive(text: str) -> int:
@@ -462,6 +462,13 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exact_prefill_flags(args: argparse.Namespace) -> list[str]:
+    """The server flag for an explicit --exact-prefill / --no-exact-prefill (none: its default)."""
+    if args.exact_prefill is None:
+        return []
+    return ["--exact-prefill" if args.exact_prefill else "--no-exact-prefill"]
+
+
 def _bench_batch(args: argparse.Namespace, source: Path, work: Path) -> int:
     from backend.bench import batch as bench_batch, speed as bench
 
@@ -471,7 +478,7 @@ def _bench_batch(args: argparse.Namespace, source: Path, work: Path) -> int:
     rows, stalls, costs = bench_batch.run(
         variants, work, clients, new_tokens=args.new_tokens or 64,
         against_mlx_lm=args.against == "mlx-lm", log=lambda m: print(m, file=sys.stderr),
-        arbor_args=["--exact-prefill"] if args.exact_prefill else [])
+        arbor_args=_exact_prefill_flags(args))
     print(bench_batch.format_table(rows, stalls, costs))
     return 0
 
@@ -629,9 +636,9 @@ def _bench_cache(args: argparse.Namespace, source: Path, work: Path) -> int:
     if args.no_disk_cache:
         flags.append("--no-disk-cache")
         label.append("no disk")
-    if args.exact_prefill:
-        flags.append("--exact-prefill")
-        label.append("exact prefill")
+    if args.exact_prefill is not None:
+        flags += _exact_prefill_flags(args)
+        label.append("exact prefill" if args.exact_prefill else "plain prefill")
     runs = [(", ".join(label) or "default budgets", flags)]
     if args.with_defaults and flags:
         runs.append(("default budgets", []))

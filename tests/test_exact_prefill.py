@@ -51,9 +51,14 @@ def test_a_reply_from_a_cached_prefix_equals_a_cold_start(kind, tiny_model_dir):
 
 
 def test_the_command_line_asks_for_exact_prefill(tiny_model_dir):
-    model = str(tiny_model_dir("llama"))
-    for flags, chunk in (([], PREFILL_CHUNK), (["--exact-prefill"], EXACT_PREFILL_CHUNK)):
-        args = build_parser().parse_args(["generate", "--model", model, *flags,
-                                          "--prompt", "hi"])
+    """On by default for a float32 model (its products run on panels: exact costs nothing),
+    off for a quantized one; either way the flags decide."""
+    cases = ((["--no-exact-prefill"], "llama", PREFILL_CHUNK), ([], "llama", EXACT_PREFILL_CHUNK),
+             ([], "qwen3_5-4bit", PREFILL_CHUNK),
+             (["--exact-prefill"], "qwen3_5-4bit", EXACT_PREFILL_CHUNK))
+    for flags, kind, chunk in cases:
+        args = build_parser().parse_args(["generate", "--model", str(tiny_model_dir(kind)),
+                                          *flags, "--prompt", "hi"])
         engine = _engine(args)
-        assert engine.chunk_size == chunk and engine.exact_prefill == (chunk != PREFILL_CHUNK)
+        assert engine.chunk_size == chunk, (flags, kind)
+        assert engine.exact_prefill == (chunk != PREFILL_CHUNK)
