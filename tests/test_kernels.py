@@ -49,16 +49,19 @@ def test_matvec_shapes(K, m, n, k):
     assert mx.allclose(got, x @ w.T, rtol=1e-5, atol=1e-5 * np.sqrt(k)).item()
 
 
-@pytest.mark.parametrize("m", [1, 5, 8])
-def test_matvec_threaded_sizes(K, m):
-    # Large enough to be split across the pool; results must not depend on the thread count.
+@pytest.mark.parametrize("panels", [False, True])
+@pytest.mark.parametrize("m", [1, 5, 8, 9])
+def test_matvec_threaded_sizes(K, m, panels):
+    # Large enough to be split across the pool; results must not depend on the thread count
+    # (row-major weights, and float32 panels: tests/test_panel_kernels.py).
     x = mx.random.normal((m, 576))
-    w = mx.random.normal((1537, 576)) * 0.05
-    got = K.matvec(x, w)
+    w = mx.random.normal((1536 if panels else 1537, 576)) * 0.05
+    held = kernels.pack_panels(w) if panels else w
+    got = K.matvec(x, held)
     _close(got, x, w)
     K.set_num_threads(1)
     try:
-        serial = K.matvec(x, w)
+        serial = K.matvec(x, held)
         mx.eval(serial)
     finally:
         K.set_num_threads(0)

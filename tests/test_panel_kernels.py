@@ -1,6 +1,6 @@
 """Float32 weights in panels (backend/kernels/kernels_panels.h): the product against float64,
 each row's result independent of the rows beside it (any count, prefill-sized too), the same
-bits on AVX-512, AVX2 and across thread counts, and the kernel linear layers that keep their
+bits on AVX-512 and AVX2 (and across thread counts: tests/test_kernels.py), and the kernel linear layers that keep their
 weights so (stacked projections split at the right outputs, the fused layers take them)."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 
 from backend import kernels
 from backend.models.cpu_linear import KernelLinear, StackedProjections
+from tests.test_kernels import _close
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,13 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def K(native_kernels):
     return native_kernels
-
-
-def _close(got: mx.array, x: mx.array, w: mx.array) -> None:
-    xn, wn = np.array(x, np.float64), np.array(w, np.float64)
-    bound = np.abs(xn) @ np.abs(wn).T
-    err = np.abs(np.array(got, np.float64) - xn @ wn.T)
-    assert np.all(err <= 2e-6 * bound + 1e-30), float(np.max(err / (bound + 1e-30)))
 
 
 def test_panels_hold_sixteen_outputs_k_major(K):
@@ -55,21 +49,6 @@ def test_panel_products_equal_float64_and_every_row_alone(K, n, k):
         assert mx.array_equal(part, whole[:m]).item(), m
     alone = mx.concatenate([K.matvec(x[i:i + 1], panels) for i in (0, 41, 99)])
     assert mx.array_equal(alone, whole[mx.array([0, 41, 99])]).item()
-
-
-def test_panel_products_do_not_depend_on_the_thread_count(K):
-    w = mx.random.normal((3072, 576)) * 0.05
-    panels = kernels.pack_panels(w)
-    x = mx.random.normal((9, 576))
-    many = K.matvec(x, panels)
-    mx.eval(many)
-    K.set_num_threads(1)
-    try:
-        one = K.matvec(x, panels)
-        mx.eval(one)
-    finally:
-        K.set_num_threads(0)
-    assert mx.array_equal(many, one).item()
 
 
 def _cpu_has(flag: str) -> bool:
