@@ -221,7 +221,7 @@ class Engine:
         one, a stored model's paired draft unless ``speculation`` rules drafting models out).
         ``exact_prefill``: prefill in ``EXACT_PREFILL_CHUNK``-token chunks (cached == cold);
         None: where that costs nothing, a model whose products all run on float32 panels
-        (``cpu_setup.products_all_on_panels``)."""
+        (``cpu_setup.products_all_on_panels``), unless ``prefill_chunk`` is given."""
         from backend.weights.store import ModelStore, draft_mismatch
 
         store = ModelStore()
@@ -246,8 +246,9 @@ class Engine:
                 raise ModelLoadError(f"{Path(draft_folder).name} cannot draft for "
                                      f"{Path(folder).name}: {reason}")
             draft_loaded = draft_loaded or load_model(draft_folder, dtype)
-        if exact_prefill is None:
-            exact_prefill = loaded.cpu_kernels and products_all_on_panels(loaded.model)
+        if exact_prefill is None:  # a chunk size asked for decides
+            exact_prefill = (prefill_chunk is None and loaded.cpu_kernels
+                             and products_all_on_panels(loaded.model))
         if exact_prefill:
             prefill_chunk = EXACT_PREFILL_CHUNK
         return cls(loaded, tokenizer, Path(folder).name, cache, prefill_chunk, draft_loaded,
