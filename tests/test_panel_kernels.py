@@ -122,3 +122,16 @@ def test_a_model_on_the_kernels_runs_on_panels(K):
     assert use_cpu_kernels(model)
     assert model.a.weight.ndim == 3 and model.b.weight.ndim == 2
     assert mx.allclose(model.b(model.a(x)), want, rtol=1e-5, atol=1e-5).item()
+
+
+def test_layers_off_whole_panels_stack_as_rows(K):
+    """Qwen3.5's four linear-attention projections: two of them have a few outputs (one per
+    head), so the four go back to rows and still stack into one product."""
+    ws = [mx.random.normal((n, 48)) for n in (64, 32, 4, 4)]
+    layers = [KernelLinear(w, None) for w in ws]
+    assert [layer.weight.ndim for layer in layers] == [3, 3, 2, 2]
+    stacked = StackedProjections.build(layers)
+    assert stacked is not None and stacked.stacked["weight"].shape == (104, 48)
+    x = mx.random.normal((3, 48))
+    for part, w in zip(stacked(x), ws):
+        _close(part, x, w)

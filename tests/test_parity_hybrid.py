@@ -201,7 +201,8 @@ def test_quantized_experts_load_and_match_the_dequantized_model(tiny_model_dir, 
     source = tiny_model_dir("qwen3_moe")
     config = json.loads((source / "config.json").read_text())
     group = 32
-    float_model = load_model(source, dtype="float32").model
+    # Off the kernels: its parameters in the checkpoint's layout (float32 panels are not).
+    float_model = load_model(source, dtype="float32", cpu_kernels=False).model
     if layout == "stacked":  # mlx-community: sanitized names, experts stacked then quantized
         weights = dict(tree_flatten(float_model.parameters()))
         names = [k for k in weights if ".switch_mlp." in k and k.endswith(".weight")]

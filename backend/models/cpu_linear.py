@@ -153,6 +153,13 @@ class StackedProjections:
             return None
         if len({"bias" in layer for layer in layers}) != 1:
             return None
+        if len({layer.weight.ndim for layer in layers}) > 1:
+            # Some in panels, some not (outputs off a multiple of 16): all go back to rows,
+            # as panels cannot be cut between two layers' outputs.
+            for layer in layers:
+                if layer.weight.ndim == 3:
+                    layer.weight = kernels.unpack_panels(layer.weight)
+                    mx.eval(layer.weight)
         same = all(layer.weight.shape[1] == first.weight.shape[1]
                    and layer.weight.ndim == first.weight.ndim
                    and layer.weight.dtype == first.weight.dtype for layer in layers)
