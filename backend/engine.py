@@ -57,7 +57,7 @@ from backend.memory.fingerprint import model_fingerprint
 from backend.memory.prefix_cache import PrefixCache
 from backend.models.dflash import Model as DFlashModel
 from backend.models.dflash import is_dflash_folder
-from backend.models.cpu_setup import products_all_on_panels
+from backend.models.cpu_setup import has_panels, products_all_on_panels
 from backend.models.state_size import state_bytes_per_token
 from backend.scheduler import Scheduler, Stream
 from backend.sequence import Sequence
@@ -98,12 +98,16 @@ def _fingerprint(loaded: LoadedModel, memo: Path) -> str:
     folder = Path(loaded.folder)
     return model_fingerprint(folder, weight_files(folder),
                              str(loaded.dtype).replace("mlx.core.", ""),
-                             _compute_path(loaded.cpu_kernels), memo_file=memo)
+                             _compute_path(loaded), memo_file=memo)
 
 
-def _compute_path(cpu_kernels: bool) -> str:
-    """How the model's numbers are computed (the disk tier never mixes two ways)."""
-    return f"kernels-{kernels.numerics()}" if cpu_kernels else "mlx"
+def _compute_path(loaded: LoadedModel) -> str:
+    """How the model's numbers are computed (the disk tier never mixes two ways). Float32
+    weights in panels compute other bits than row-major ones: such models say so, and states
+    stored before (or with ``ARBOR_PANELS=0``) are measured again; others keep theirs."""
+    if not loaded.cpu_kernels:
+        return "mlx"
+    return f"kernels-{kernels.numerics()}" + ("-panels" if has_panels(loaded.model) else "")
 
 
 class Lane:

@@ -577,7 +577,7 @@ def isa() -> str | None:
 #: Bumped whenever a change makes the kernels' results differ in any bit (a reduction order,
 #: which clone runs). The prefix cache's disk tier keys its states by ``numerics()``, so a
 #: state computed another way is never restored into this one.
-NUMERICS_VERSION = 3
+NUMERICS_VERSION = 2
 
 
 def numerics() -> str | None:
@@ -586,8 +586,7 @@ def numerics() -> str | None:
     mod = _try_load()
     if mod is None:
         return None
-    layout = "panels" if os.environ.get("ARBOR_PANELS", "1") != "0" else "rows"
-    return f"{mod.isa()}-{mod.clone_level()}-n{NUMERICS_VERSION}-{layout}"
+    return f"{mod.isa()}-{mod.clone_level()}-n{NUMERICS_VERSION}"
 
 
 def clone_level() -> str | None:

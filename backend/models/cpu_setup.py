@@ -58,6 +58,12 @@ def use_cpu_kernels(model: nn.Module) -> bool:
     return True
 
 
+def has_panels(model: nn.Module) -> bool:
+    """Whether any of the model's linear layers holds float32 panels."""
+    return any(isinstance(module, KernelLinear) and module.weight.ndim == 3
+               for _, module in model.named_modules())
+
+
 def products_all_on_panels(model: nn.Module) -> bool:
     """Whether every matrix product of the model runs on float32 panels (``KernelLinear``
     with packed weights; the tied embedding's head aside, whose kernel is row-invariant too):
