@@ -135,3 +135,21 @@ def test_layers_off_whole_panels_stack_as_rows(K):
     x = mx.random.normal((3, 48))
     for part, w in zip(stacked(x), ws):
         _close(part, x, w)
+
+
+def test_a_float32_embedding_table_in_panels_looks_up_and_projects_alike(K):
+    """The tied output projection of a batched step runs on panels; lookups gather each row
+    from its panel (any shape of ids), equal to the table's rows."""
+    from backend.models.cpu_linear import KernelEmbedding
+
+    plain = nn.Embedding(96, 40)
+    mx.eval(plain.parameters())
+    table = plain.weight
+    embedding = KernelEmbedding(plain)
+    assert embedding.weight.shape == (6, 40, 16)
+    ids = mx.array([[0, 5, 17], [95, 16, 31]])
+    assert mx.array_equal(embedding(ids), table[ids]).item()
+    x = mx.random.normal((9, 40))
+    _close(embedding.as_linear(x), x, table)
+    odd = nn.Embedding(50, 8)  # a vocabulary off a multiple of 16 stays rows
+    assert KernelEmbedding(odd).weight.ndim == 2

@@ -293,6 +293,16 @@ def unpack_panels(panels: Any) -> Any:
     return panels.swapaxes(1, 2).reshape(p * width, k)
 
 
+def panel_rows(panels: Any, ids: Any) -> Any:
+    """Rows ``ids`` (any shape) of the (N, K) matrix held as ``panels``: (*ids.shape, K)."""
+    import mlx.core as mx
+
+    _, k, width = panels.shape
+    ids = ids.astype(mx.int32)
+    start = (ids // width) * (k * width) + ids % width  # each row's value at k = 0
+    return mx.take(panels.reshape(-1), start[..., None] + mx.arange(k) * width)
+
+
 def outputs(w: Any) -> int:
     """N of a dense weight: (N, K) rows or (N / PANEL, K, PANEL) panels."""
     return w.shape[0] * w.shape[2] if w.ndim == 3 else w.shape[0]

@@ -80,13 +80,19 @@ class KernelQuantizedLinear(nn.Module):
 
 class KernelEmbedding(nn.Embedding):
     """Embedding whose tied output projection (``as_linear``) uses the kernel; rows of a
-    16-bit table are widened to float32 on lookup."""
+    16-bit table are widened to float32 on lookup. A float32 table (vocabulary a multiple of
+    16) is kept as panels, like ``KernelLinear``'s weights: the projection of a batched step
+    then runs the panel kernel, and lookups gather each row's values from their panel. Code
+    that needs rows calls the module (``embedding(ids)``), never indexes ``weight``."""
 
     def __init__(self, layer: nn.Embedding):
         super().__init__(*layer.weight.shape)
-        self.weight = layer.weight
+        weight = layer.weight
+        self.weight = kernels.pack_panels(weight) if kernels.panels_apply(weight) else weight
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.weight.ndim == 3:
+            return kernels.panel_rows(self.weight, x)
         return self.weight[x].astype(mx.float32)
 
     def as_linear(self, x: mx.array) -> mx.array:

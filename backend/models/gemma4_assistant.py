@@ -140,14 +140,15 @@ class CentroidHead(nn.Module):
         self.top_k, self.clusters, self.vocab = (args.centroid_intermediate_top_k,
                                                  args.num_centroids, vocab)
 
-    def __call__(self, h: mx.array, embedding: mx.array) -> mx.array:
+    def __call__(self, h: mx.array, embedding: nn.Module) -> mx.array:
         """``h`` (1, hidden) -> logits (vocab,) over the top clusters' ids; ``embedding`` the
-        (vocab, hidden) table the ids are scored with."""
+        (vocab, hidden) table the ids are scored with (its rows by calling it: on the CPU
+        kernels a float32 table is held as panels)."""
         scores = self.centroids(h)[0]  # (clusters,)
         top = mx.argpartition(scores, kth=-self.top_k)[-self.top_k:]
         ordering = self.token_ordering.reshape(self.clusters, -1)
         ids = ordering[top].reshape(-1)  # (top_k * ids per cluster,)
-        chosen = (embedding[ids] @ h[0][:, None])[:, 0].astype(mx.float32)
+        chosen = (embedding(ids) @ h[0][:, None])[:, 0].astype(mx.float32)
         floor = mx.min(chosen) - 1.0
         return mx.full((self.vocab,), floor, dtype=mx.float32).at[ids].add(chosen - floor)
 
@@ -204,7 +205,7 @@ class Model(nn.Module):
     def logits(self, h: mx.array) -> mx.array:
         """(1, hidden) -> (1, vocab)."""
         if self.args.use_ordered_embeddings:
-            return self.masked_embedding(h, self.model.embed_tokens.weight)[None]
+            return self.masked_embedding(h, self.model.embed_tokens)[None]
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
         return self.lm_head(h)
