@@ -153,3 +153,20 @@ def test_a_float32_embedding_table_in_panels_looks_up_and_projects_alike(K):
     _close(embedding.as_linear(x), x, table)
     odd = nn.Embedding(50, 8)  # a vocabulary off a multiple of 16 stays rows
     assert KernelEmbedding(odd).weight.ndim == 2
+
+
+def test_a_quantized_model_with_a_float32_table_has_panels(K):
+    """The disk tier's key names panels for it (its tied projection's bits moved), while its
+    products stay off panels (no exact prefill by default)."""
+    from backend.models.cpu_setup import has_panels, products_all_on_panels, use_cpu_kernels
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 64)
+            self.proj = nn.QuantizedLinear(64, 64, bias=False, group_size=32, bits=4)
+
+    model = Tiny()
+    mx.eval(model.parameters())
+    assert use_cpu_kernels(model)
+    assert has_panels(model) and not products_all_on_panels(model)

@@ -59,8 +59,8 @@ def use_cpu_kernels(model: nn.Module) -> bool:
 
 
 def has_panels(model: nn.Module) -> bool:
-    """Whether any of the model's linear layers holds float32 panels."""
-    return any(isinstance(module, KernelLinear) and module.weight.ndim == 3
+    """Whether any of the model's linear layers or embedding tables holds float32 panels."""
+    return any(isinstance(module, (KernelLinear, KernelEmbedding)) and module.weight.ndim == 3
                for _, module in model.named_modules())
 
 
