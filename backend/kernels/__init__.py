@@ -13,8 +13,9 @@ AVX2 FMA on a small thread pool:
   panel 16 outputs' weights k-major): every output is one chain of fused multiply-adds over
   k, so a row's result is the same whatever the rows around it, on AVX-512 and AVX2 alike,
   and several rows share each weight load without horizontal sums (30 layers of SmolLM2-135M:
-  8 rows 1.7x as fast as row-major weights, 64 rows 1.3x BLAS). The kernel linear layers keep float32 weights so (``panels_apply``) and run
-  every product through it, prefill included.
+  8 rows 1.7x as fast as row-major weights, 64 rows 1.3x BLAS). The kernel linear and embedding
+  layers keep float32 weights so (``as_panels``) and run every product through it, prefill
+  included.
 * ``matvec_q(x, wq, scales, biases, group_size, bits)``: the same for weights in MLX's
   affine quantized layout (``mx.quantize``), bits 4 or 8, group size 32/64/128, float32
   scales and biases; equals ``mx.quantized_matmul(..., transpose=True)``.
@@ -78,6 +79,7 @@ __all__ = [
     "linear",
     "matvec",
     "matvec_q",
+    "as_panels",
     "pack_panels",
     "panels_apply",
     "quantized_linear",
@@ -285,6 +287,11 @@ def pack_panels(w: Any) -> Any:
     panels = mx.contiguous(w.reshape(n // PANEL, PANEL, k).swapaxes(1, 2))
     mx.eval(panels)
     return panels
+
+
+def as_panels(w: Any) -> Any:
+    """``w`` as the kernel layers hold it: panels where ``panels_apply``, else as it is."""
+    return pack_panels(w) if panels_apply(w) else w
 
 
 def unpack_panels(panels: Any) -> Any:

@@ -140,12 +140,12 @@ inline const float* x_rows(const mx::array& x, std::vector<char>& scratch) {
   return reinterpret_cast<const float*>(scratch.data());
 }
 
-// The outputs of a dense weight: N of an (N, K) matrix, or of float32 panels (N / kPanel, K,
-// kPanel).
+// Whether a dense weight is float32 panels (N / kPanel, K, kPanel), not an (N, K) matrix.
 inline bool is_panels(const mx::array& w) {
   return w.ndim() == 3 && w.shape(2) == kPanel && w.dtype() == mx::float32;
 }
 
+// The outputs of a dense weight: N of an (N, K) matrix or of its panels.
 inline int64_t dense_outputs(const mx::array& w) {
   return w.ndim() == 3 ? w.shape(0) * w.shape(2) : w.shape(0);
 }

@@ -41,8 +41,7 @@ class KernelLinear(nn.Module):
 
     def __init__(self, weight: mx.array, bias: mx.array | None):
         super().__init__()
-        # (out, in), or its panels
-        self.weight = kernels.pack_panels(weight) if kernels.panels_apply(weight) else weight
+        self.weight = kernels.as_panels(weight)  # (out, in), or its panels
         if bias is not None:
             self.bias = bias
 
@@ -87,8 +86,7 @@ class KernelEmbedding(nn.Embedding):
 
     def __init__(self, layer: nn.Embedding):
         super().__init__(*layer.weight.shape)
-        weight = layer.weight
-        self.weight = kernels.pack_panels(weight) if kernels.panels_apply(weight) else weight
+        self.weight = kernels.as_panels(layer.weight)
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.weight.ndim == 3:
@@ -159,6 +157,15 @@ class StackedProjections:
             return None
         if len({"bias" in layer for layer in layers}) != 1:
             return None
+        same = all(layer.weight.shape[1] == first.weight.shape[1]
+                   and layer.weight.dtype == first.weight.dtype for layer in layers)
+        names = ["weight"] + (["bias"] if "bias" in first else [])
+        if isinstance(first, KernelQuantizedLinear):
+            same = same and all((layer.bits, layer.group_size) == (first.bits, first.group_size)
+                                for layer in layers)
+            names += ["scales", "biases"]
+        if not same:
+            return None
         if len({layer.weight.ndim for layer in layers}) > 1:
             # Some in panels, some not (outputs off a multiple of 16): all go back to rows,
             # as panels cannot be cut between two layers' outputs.
@@ -166,15 +173,7 @@ class StackedProjections:
                 if layer.weight.ndim == 3:
                     layer.weight = kernels.unpack_panels(layer.weight)
                     mx.eval(layer.weight)
-        same = all(layer.weight.shape[1] == first.weight.shape[1]
-                   and layer.weight.ndim == first.weight.ndim
-                   and layer.weight.dtype == first.weight.dtype for layer in layers)
-        names = ["weight"] + (["bias"] if "bias" in first else [])
-        if isinstance(first, KernelQuantizedLinear):
-            same = same and all((layer.bits, layer.group_size) == (first.bits, first.group_size)
-                                for layer in layers)
-            names += ["scales", "biases"]
-        return cls(layers, names) if same else None
+        return cls(layers, names)
 
     def __call__(self, x: mx.array) -> list[mx.array]:
         w = self.stacked

@@ -73,14 +73,12 @@ def products_all_on_panels(model: nn.Module) -> bool:
     convolutions keep the plain prefill."""
     panels = False
     for _, module in model.named_modules():
-        if isinstance(module, KernelLinear) and module.weight.ndim == 3:
-            panels = True
-        elif isinstance(module, KernelEmbedding) or not any(
-                name == "weight" and value.ndim >= 2 for name, value in module.items()
-                if isinstance(value, mx.array)):
-            continue
-        else:
+        weight = module.get("weight") if not isinstance(module, KernelEmbedding) else None
+        if not isinstance(weight, mx.array) or weight.ndim < 2:
+            continue  # no matrix here (or the tied head's table)
+        if not (isinstance(module, KernelLinear) and weight.ndim == 3):
             return False
+        panels = True
     return panels
 
 
